@@ -1,0 +1,36 @@
+"""aload: stream safetensors checkpoints into PyTorch models with asyncio."""
+
+from . import stages
+from .bridge import LoadCancelled
+from .checkpoint import Checkpoint, Shard, open
+from .errors import AloadError, CheckpointError, HeaderError, LoadError, SourceError, UsageError
+from .format import TensorSpec
+from .loader import Installed, LoadReport, Loader, load, load_sync
+from .pipeline import TensorStream, stream
+from .reader import Progress, ReaderStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AloadError",
+    "Checkpoint",
+    "CheckpointError",
+    "HeaderError",
+    "Installed",
+    "LoadCancelled",
+    "LoadError",
+    "LoadReport",
+    "Loader",
+    "Progress",
+    "ReaderStats",
+    "Shard",
+    "SourceError",
+    "TensorSpec",
+    "TensorStream",
+    "UsageError",
+    "load",
+    "load_sync",
+    "open",
+    "stages",
+    "stream",
+]

@@ -1,0 +1,114 @@
+"""The sync bridge: a worker thread iterates the async pipeline as a plain iterator.
+
+The loop side (``pump``) moves pairs into a small deque; the thread side (``__next__``) takes
+them under a ``threading.Condition``. The loop is told when the deque has room again (once it is
+half empty, so a busy consumer costs few cross-thread wake-ups) and when the thread is starving,
+which lets the reader tell a consumer that holds tensors from one that is merely slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from typing import Iterator
+
+from .pipeline import TensorStream
+from .stages import Pair
+
+
+class LoadCancelled(BaseException):
+    """Raised inside ``model.load_weights`` when the load is cancelled; a BaseException so that
+    ``except Exception`` in model code does not swallow it."""
+
+
+class SyncBridge(Iterator[Pair]):
+    def __init__(self, stream: TensorStream, maxsize: int = 8) -> None:
+        self._stream = stream
+        self._loop = asyncio.get_running_loop()
+        self._max = maxsize
+        self._items: collections.deque[Pair] = collections.deque()
+        self._cond = threading.Condition()
+        self._room = asyncio.Event()
+        self._pump_waiting = False
+        self._done = False
+        self._closed = False
+        self.error: BaseException | None = None
+        self.delivered = 0
+        self.current: str | None = None  # the name last handed to the consumer
+
+    async def pump(self) -> None:
+        reader = self._stream.reader
+        if reader is not None:
+            reader.auto_starving = False
+        try:
+            async for pair in self._stream:
+                while not self._closed:
+                    with self._cond:  # flag and check together, or the wake-up can be missed
+                        full = len(self._items) >= self._max
+                        if full:
+                            self._room.clear()
+                            self._pump_waiting = True
+                        else:
+                            self._items.append(pair)
+                            self._cond.notify()
+                    if not full:
+                        break
+                    await self._room.wait()
+                del pair
+                if self._closed:
+                    return
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def _call(self, fn: object, *args: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[arg-type]
+        except RuntimeError:
+            pass
+
+    def _set_starving(self, value: bool) -> None:
+        reader = self._stream.reader
+        if reader is not None:
+            self._call(reader.set_starving, value)
+
+    def __next__(self) -> Pair:
+        with self._cond:
+            starving = False
+            while not self._items and not self._done and not self._closed:
+                if not starving:
+                    starving = True
+                    self._set_starving(True)
+                self._cond.wait()
+            if starving:
+                self._set_starving(False)
+            if self._closed:
+                raise LoadCancelled()
+            if not self._items:
+                if self.error is not None:
+                    raise self.error
+                raise StopIteration
+            pair = self._items.popleft()
+            if self._pump_waiting and len(self._items) <= self._max // 2:
+                self._pump_waiting = False
+                self._call(self._room.set)
+        self.delivered += 1
+        self.current = pair[0]
+        return pair
+
+    @property
+    def exhausted(self) -> bool:
+        return self._done and not self._items and self.error is None
+
+    def close(self) -> None:
+        """Loop side: the consumer's next ``__next__`` raises ``LoadCancelled``; the pump stops."""
+        with self._cond:
+            self._closed = True
+            self._items.clear()
+            self._cond.notify_all()
+        self._room.set()

@@ -1,0 +1,212 @@
+"""A checkpoint: its shards, their validated headers, and a spec per tensor; nothing but
+headers (and the index) is read here.
+
+Layouts: one ``.safetensors`` file; a folder with ``model.safetensors.index.json`` (only the
+files its ``weight_map`` names); a folder of ``*.safetensors`` without an index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import posixpath
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Awaitable, Generator
+
+from ._threads import run_in_thread
+from .errors import CheckpointError
+from .format import Header, TensorSpec, header_length, parse_header
+from .sources import Source, Store, open_store
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+#: First request for a header; grown once when the header is larger.
+HEADER_PROBE_BYTES = 64 * 1024
+#: Headers larger than this are parsed off the event loop.
+_INLINE_PARSE_BYTES = 1 << 20
+DEFAULT_CONCURRENCY = 4
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One safetensors file of a checkpoint."""
+
+    name: str
+    url: str
+    size: int
+    metadata: dict[str, str]
+    specs: tuple[TensorSpec, ...]
+
+
+@dataclass
+class Checkpoint:
+    """Shards, per-tensor specs (shard order, then offset order), metadata and total bytes.
+
+    An async context manager: closing it closes every file and connection it opened.
+    """
+
+    url: str
+    shards: tuple[Shard, ...]
+    specs: dict[str, TensorSpec]
+    metadata: dict[str, Any]
+    store: Store = field(repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs.values())
+
+    def __post_init__(self) -> None:
+        self._names = {s.url: s.name for s in self.shards}
+
+    def source(self, spec: TensorSpec) -> Source:
+        """The Source holding ``spec``'s bytes (one per shard, kept open)."""
+        return self.store.source(self._names[spec.shard])
+
+    async def aclose(self) -> None:
+        await self.store.aclose()
+
+    async def __aenter__(self) -> "Checkpoint":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class _Opening:
+    """``await aload.open(url)`` or ``async with aload.open(url) as ckpt``."""
+
+    def __init__(self, coro: Awaitable[Checkpoint]) -> None:
+        self._coro = coro
+        self._ckpt: Checkpoint | None = None
+
+    def __await__(self) -> Generator[Any, None, Checkpoint]:
+        return self._coro.__await__()
+
+    async def __aenter__(self) -> Checkpoint:
+        self._ckpt = await self._coro
+        return self._ckpt
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._ckpt is not None
+        await self._ckpt.aclose()
+
+
+def open(url: str, *, concurrency: int = DEFAULT_CONCURRENCY, **options: Any) -> _Opening:  # noqa: A001
+    """Open the checkpoint at ``url`` (a path, ``file://``, or a registered scheme), reading only
+    its index and headers. ``concurrency`` sizes the pool of parallel reads."""
+    return _Opening(_open(str(url), concurrency=concurrency, **options))
+
+
+async def _open(url: str, *, concurrency: int, **options: Any) -> Checkpoint:
+    store = open_store(url, concurrency=concurrency, **options)
+    try:
+        return await _read_layout(store)
+    except BaseException:
+        await store.aclose()
+        raise
+
+
+async def _read_layout(store: Store) -> Checkpoint:
+    if await store.kind() == "file":
+        shards = [await _read_shard(store, "")]
+        return _assemble(store, shards, shards[0].metadata, index=None)
+    raw = await store.get(INDEX_NAME, MAX_INDEX_BYTES)
+    if raw is not None:
+        index_url = posixpath.join(store.url, INDEX_NAME)
+        weight_map, metadata = _parse_index(raw, index_url)
+        names = sorted(set(weight_map.values()))
+    else:
+        weight_map, metadata = None, {}
+        names = await store.list(".safetensors")
+        if not names:
+            raise CheckpointError("no .safetensors files and no index", url=store.url)
+    shards = await _read_shards(store, names)
+    if weight_map is None and len(shards) == 1:
+        metadata = dict(shards[0].metadata)
+    return _assemble(store, shards, metadata, index=weight_map)
+
+
+async def _read_shards(store: Store, names: list[str]) -> list[Shard]:
+    gate = asyncio.Semaphore(16)
+
+    async def one(name: str) -> Shard:
+        async with gate:
+            return await _read_shard(store, name)
+
+    return list(await asyncio.gather(*(one(n) for n in names)))
+
+
+async def _read_shard(store: Store, name: str) -> Shard:
+    src = store.source(name)
+    size = await src.size()
+    head = await src.read(0, min(size, HEADER_PROBE_BYTES))
+    n = header_length(head, size, src.url)
+    raw = head[8 : 8 + n]
+    if len(raw) < n:
+        raw += await src.read(len(head), 8 + n - len(head))
+    header: Header = (
+        parse_header(raw, size, src.url)
+        if n <= _INLINE_PARSE_BYTES
+        else await run_in_thread(parse_header, raw, size, src.url)
+    )
+    return Shard(name, src.url, size, header.metadata, header.specs)
+
+
+def _parse_index(raw: bytes, url: str) -> tuple[dict[str, str], dict[str, Any]]:
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"index is not valid UTF-8 JSON: {exc}", url=url) from exc
+    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError("index needs a weight_map of tensor names to file names", url=url)
+    for tensor, fname in weight_map.items():
+        _check_relative(fname, url, tensor)
+    metadata = obj.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError("index metadata must be an object", url=url)
+    return weight_map, metadata
+
+
+def _check_relative(fname: str, url: str, tensor: str) -> None:
+    """A shard name must be a plain relative path that stays inside the checkpoint folder."""
+    norm = posixpath.normpath(fname.replace("\\", "/"))
+    if (
+        not fname
+        or "://" in fname
+        or norm.startswith("/")
+        or norm == ".."
+        or norm.startswith("../")
+        or (len(fname) > 1 and fname[1] == ":")
+        or "\x00" in fname
+    ):
+        raise CheckpointError(f"index names a file outside the checkpoint: {fname!r}", url=url, tensor=tensor)
+
+
+def _assemble(
+    store: Store, shards: list[Shard], metadata: dict[str, Any], index: dict[str, str] | None
+) -> Checkpoint:
+    specs: dict[str, TensorSpec] = {}
+    for shard in shards:
+        for spec in shard.specs:
+            if spec.name in specs:
+                raise CheckpointError(
+                    f"tensor is in two shards: {specs[spec.name].shard} and {shard.url}",
+                    url=store.url, tensor=spec.name,
+                )
+            if index is not None and index.get(spec.name) != shard.name:
+                placed = index.get(spec.name)
+                why = f"the index places it in {placed!r}" if placed else "the index does not list it"
+                raise CheckpointError(f"tensor found in {shard.name!r} but {why}", url=store.url, tensor=spec.name)
+            specs[spec.name] = spec
+    if index is not None:
+        for tensor, fname in index.items():
+            if tensor not in specs:
+                raise CheckpointError(f"the index places it in {fname!r}, which does not hold it", url=store.url, tensor=tensor)
+    return Checkpoint(store.url, tuple(shards), specs, metadata, store)
+

@@ -1,0 +1,191 @@
+"""The safetensors format as data: the dtype table and a header parse that trusts nothing.
+
+A file is ``u64 little-endian N | N bytes of JSON | data``. The JSON maps tensor names to
+``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the data area),
+plus an optional ``"__metadata__"`` of str -> str. These rules follow the reference
+implementation: the tensors, sorted by offset, tile the data area exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import HeaderError
+
+#: safetensors' header limit; larger headers are refused before any allocation.
+MAX_HEADER_BYTES = 100_000_000
+#: Largest byte count any tensor may claim (safetensors uses checked usize arithmetic).
+_MAX_NBYTES = 2**63 - 1
+
+# safetensors dtype name -> (torch attribute, item size in bytes). Names whose torch
+# attribute is missing in the installed torch are left out and refused by name.
+_DTYPE_TABLE: tuple[tuple[str, str, int], ...] = (
+    ("F64", "float64", 8),
+    ("F32", "float32", 4),
+    ("F16", "float16", 2),
+    ("BF16", "bfloat16", 2),
+    ("I64", "int64", 8),
+    ("I32", "int32", 4),
+    ("I16", "int16", 2),
+    ("I8", "int8", 1),
+    ("U8", "uint8", 1),
+    ("U16", "uint16", 2),
+    ("U32", "uint32", 4),
+    ("U64", "uint64", 8),
+    ("BOOL", "bool", 1),
+    ("C64", "complex64", 8),
+    ("F8_E4M3", "float8_e4m3fn", 1),
+    ("F8_E5M2", "float8_e5m2", 1),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz", 1),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz", 1),
+    ("F8_E8M0", "float8_e8m0fnu", 1),
+)
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, attr) for name, attr, _ in _DTYPE_TABLE if hasattr(torch, attr)
+}
+ITEMSIZE: dict[str, int] = {name: size for name, _, size in _DTYPE_TABLE if name in DTYPES}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one tensor lives: its shard, dtype, shape and absolute byte range in the file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard: str
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def byte_range(self) -> tuple[int, int]:
+        return (self.start, self.end)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A validated header: specs in offset order, metadata, and where the data area starts."""
+
+    specs: tuple[TensorSpec, ...]
+    metadata: dict[str, str]
+    data_start: int
+
+
+def header_length(prefix: bytes, file_size: int, url: str) -> int:
+    """The JSON length from the 8-byte prefix, checked against the file and the limit."""
+    if file_size < 8 or len(prefix) < 8:
+        raise HeaderError(f"file is {file_size} bytes, too short for a safetensors header", url=url)
+    n = int.from_bytes(prefix[:8], "little")
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(f"header claims {n} bytes, over the {MAX_HEADER_BYTES}-byte limit", url=url)
+    if 8 + n > file_size:
+        raise HeaderError(
+            f"header claims {n} bytes but the file has only {file_size - 8} after the length",
+            url=url, byte_range=(8, 8 + n),
+        )
+    return n
+
+
+def parse_header(raw: bytes, file_size: int, url: str) -> Header:
+    """Validate the JSON header ``raw`` (the N bytes after the prefix) of a file of ``file_size``."""
+    data_start = 8 + len(raw)
+    obj = _load_json(raw, url)
+    metadata = _metadata(obj.pop("__metadata__", None), url)
+    specs = [_spec(name, entry, url, data_start) for name, entry in obj.items()]
+    specs.sort(key=lambda s: (s.start, s.end))
+    _check_tiling(specs, file_size, data_start, url)
+    return Header(tuple(specs), metadata, data_start)
+
+
+def _load_json(raw: bytes, url: str) -> dict[str, Any]:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise HeaderError("header names a key twice", url=url, tensor=key)
+            out[key] = value
+        return out
+
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, ValueError) as exc:
+        if isinstance(exc, HeaderError):
+            raise
+        raise HeaderError(f"header is not valid UTF-8 JSON: {exc}", url=url, byte_range=(8, 8 + len(raw))) from exc
+    if not isinstance(obj, dict):
+        raise HeaderError(f"header is a JSON {type(obj).__name__}, not an object", url=url)
+    return obj
+
+
+def _metadata(value: Any, url: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise HeaderError("__metadata__ must be an object of strings to strings", url=url)
+    return dict(value)
+
+
+def _spec(name: str, entry: Any, url: str, data_start: int) -> TensorSpec:
+    def bad(why: str) -> HeaderError:
+        return HeaderError(why, url=url, tensor=name)
+
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise bad("entry must be an object with exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise bad(f"unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o) for o in offsets):
+        raise bad(f"data_offsets must be two non-negative integers, got {offsets!r}")
+    begin, end = offsets
+    nbytes = ITEMSIZE[dtype]
+    for dim in shape:
+        nbytes *= dim
+        if nbytes > _MAX_NBYTES:
+            raise bad(f"shape {shape} of {dtype} overflows")
+    if end < begin or end - begin != nbytes:
+        raise HeaderError(
+            f"data_offsets span {end - begin} bytes but {dtype}{shape} needs {nbytes}",
+            url=url, tensor=name, byte_range=(data_start + begin, data_start + end),
+        )
+    return TensorSpec(name, dtype, tuple(shape), url, data_start + begin, data_start + end)
+
+
+def _is_uint(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_tiling(specs: list[TensorSpec], file_size: int, data_start: int, url: str) -> None:
+    """Sorted by offset, the tensors must start at 0, touch end to end, and end at the file's end."""
+    cursor = data_start
+    for spec in specs:
+        if spec.start != cursor:
+            why = "overlaps the tensor before it" if spec.start < cursor else "leaves a gap before it"
+            raise HeaderError(why, url=url, tensor=spec.name, byte_range=spec.byte_range)
+        cursor = spec.end
+    if cursor != file_size:
+        raise HeaderError(
+            f"tensors end at byte {cursor} but the file has {file_size} bytes",
+            url=url, byte_range=(cursor, file_size),
+        )

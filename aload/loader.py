@@ -1,0 +1,325 @@
+"""Loading into a model: the phases, the built-in loader, ``load`` and ``load_sync``.
+
+``load`` runs ``Loader.load_weights_and_postprocess`` on a worker thread fed lazily from the
+async pipeline through the sync bridge, inside ``torch.cuda.stream(...)`` for a CUDA target,
+while the event loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ._threads import start_thread
+from .bridge import LoadCancelled, SyncBridge
+from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint
+from .errors import LoadError, UsageError, add_note
+from .format import TensorSpec
+from .pipeline import TensorStream
+from .reader import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, Progress
+from .stages import Pair, Stage
+
+Hook = Callable[[nn.Module], None]
+
+
+@dataclass
+class Installed:
+    """What the load phase installed: parameter names, and checkpoint names nothing took."""
+
+    names: set[str] = field(default_factory=set)
+    unexpected: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    load_s: float = 0.0
+    postprocess_s: float = 0.0
+
+
+@dataclass
+class LoadReport:
+    tensors: int
+    bytes: int
+    bytes_read: int
+    seconds: float
+    gbps: float
+    ttft_s: float | None
+    peak_inflight_bytes: int
+    budget_wait_s: float
+    overdraft_bytes: int
+    direct_bytes: int
+    load_s: float
+    postprocess_s: float
+    installed: int
+    missing: list[str]
+    unexpected: list[str]
+
+    def summary(self) -> str:
+        ttft = f"{self.ttft_s * 1e3:.1f} ms" if self.ttft_s is not None else "-"
+        return (
+            f"{self.tensors} tensors, {self.bytes / 1e9:.3f} GB in {self.seconds:.3f} s "
+            f"({self.gbps:.2f} GB/s); first tensor {ttft}; peak in flight "
+            f"{self.peak_inflight_bytes / 2**20:.1f} MiB; load {self.load_s:.3f} s, "
+            f"post-processing {self.postprocess_s:.3f} s; missing {len(self.missing)}, "
+            f"unexpected {len(self.unexpected)}"
+        )
+
+
+def _state_groups(model: nn.Module) -> list[list[str]]:
+    """Persistent state (what ``state_dict`` holds), names grouped by tensor so ties count once."""
+    groups: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
+    return list(groups.values())
+
+
+def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = p
+    for name, b in model.named_buffers(remove_duplicate=False):
+        out[name] = b
+    return out
+
+
+@contextlib.contextmanager
+def device_loading_context(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Parameters living on the CPU go to ``device`` for the call and come back after, as the
+    engines do for CPU-offloaded layers; parameters created during the call stay where made."""
+    if device.type == "cpu":
+        yield
+        return
+    moved = {n: p for n, p in module.named_parameters() if p.device.type == "cpu"}
+    for p in moved.values():
+        p.data = p.data.to(device)
+    try:
+        yield
+    finally:
+        params = dict(module.named_parameters())
+        for n in moved:
+            if n in params:
+                params[n].data = params[n].data.to("cpu")
+
+
+class Loader:
+    """The phases of a load, as methods a subclass can override one at a time."""
+
+    def __init__(
+        self, *, strict: bool = True, after_load: Sequence[Hook] = (), after_postprocess: Sequence[Hook] = ()
+    ) -> None:
+        self.strict = strict
+        self.after_load = tuple(after_load)
+        self.after_postprocess = tuple(after_postprocess)
+
+    def destinations(self, model: nn.Module, device: torch.device) -> Callable[[str, TensorSpec], torch.Tensor | None] | None:
+        """Where the built-in loader can have bytes read straight into the parameter; None
+        when the model brings its own ``load_weights`` (it decides where weights go)."""
+        if hasattr(model, "load_weights"):
+            return None
+        targets = _targets(model)
+
+        def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
+            t = targets.get(name)
+            if t is None or t.device.type != "cpu" or t.dtype != spec.torch_dtype:
+                return None
+            if tuple(t.shape) != spec.shape or not t.is_contiguous():
+                return None
+            return t.data
+
+        return dest
+
+    def load_weights_only(self, model: nn.Module, weights: Iterable[Pair], device: torch.device) -> Installed:
+        """Install weights: ``model.load_weights(weights)`` when the model has it, else copy into
+        ``named_parameters()``/``named_buffers()`` by name."""
+        if hasattr(model, "load_weights"):
+            result = model.load_weights(weights)
+            names = set(result) if isinstance(result, (set, frozenset)) else set()
+            return Installed(names)
+        return self._builtin(model, weights)
+
+    def _builtin(self, model: nn.Module, weights: Iterable[Pair]) -> Installed:
+        targets = _targets(model)
+        done = Installed()
+        with torch.no_grad():
+            for name, t in weights:
+                target = targets.get(name)
+                if target is None:
+                    done.unexpected.append(name)
+                    continue
+                if tuple(t.shape) != tuple(target.shape):
+                    raise LoadError(f"shape {list(t.shape)} in the checkpoint, {list(target.shape)} in the model", tensor=name)
+                if t.data_ptr() != target.data_ptr() or t.dtype != target.dtype:  # else read in place
+                    target.copy_(t, non_blocking=True)
+                done.names.add(name)
+                del t
+        done.missing = [g[0] for g in _state_groups(model) if not any(n in done.names for n in g)]
+        if self.strict and (done.missing or done.unexpected):
+            raise LoadError(_describe_mismatch(done.missing, done.unexpected))
+        return done
+
+    def postprocess_weights(self, model: nn.Module, device: torch.device) -> None:
+        """For every module with a ``quant_method``: ``process_weights_after_loading(module)``."""
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                with device_loading_context(module, device):
+                    method.process_weights_after_loading(module)
+
+    def load_weights_and_postprocess(self, model: nn.Module, weights: Iterable[Pair], device: torch.device) -> Installed:
+        """Both phases, through ``self`` so that an override of either is honoured. Every weight
+        is in (and, on a GPU, every copy complete) before any post-processing starts."""
+        t0 = time.perf_counter()
+        done = self.load_weights_only(model, weights, device)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        t1 = time.perf_counter()
+        for hook in self.after_load:
+            hook(model)
+        self.postprocess_weights(model, device)
+        for hook in self.after_postprocess:
+            hook(model)
+        done.load_s, done.postprocess_s = t1 - t0, time.perf_counter() - t1
+        return done
+
+
+def _describe_mismatch(missing: list[str], unexpected: list[str]) -> str:
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing from the checkpoint ({few(missing)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected in the checkpoint ({few(unexpected)})")
+    return "weights do not match the model: " + "; ".join(parts) + " (strict=False to load anyway)"
+
+
+def _device(model: nn.Module, device: str | torch.device | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+async def load(
+    model: nn.Module,
+    source: "str | os.PathLike[str] | Checkpoint",
+    *,
+    device: str | torch.device | None = None,
+    stages: Iterable[Stage] | Stage = (),
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    loader: Loader | None = None,
+    strict: bool = True,
+    after_load: Sequence[Hook] = (),
+    after_postprocess: Sequence[Hook] = (),
+    progress: Callable[[Progress], None] | None = None,
+    **options: Any,
+) -> LoadReport:
+    """Stream ``source`` into ``model`` and post-process it; returns a ``LoadReport``.
+
+    The loader runs on a worker thread (``model.load_weights(iterable)`` if the model has it, else
+    the built-in loader, which reads straight into CPU parameters). Cancelling the awaiting task
+    stops every read and raises ``LoadCancelled`` inside the loader; no thread or file outlives
+    the call, and the first error is the one raised.
+    """
+    t0 = time.perf_counter()
+    loader = loader or Loader(strict=strict, after_load=after_load, after_postprocess=after_postprocess)
+    dev = _device(model, device)
+    cuda = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    ts = TensorStream(
+        source, stages=stages, max_inflight_bytes=max_inflight_bytes, concurrency=concurrency,
+        chunk_bytes=chunk_bytes, progress=progress, options=options,
+        destinations=loader.destinations(model, dev), pin=cuda is not None,
+        release_event=(lambda: torch.cuda.Event().record(cuda)) if cuda is not None else None, t0=t0,
+    )
+    async with ts:
+        bridge = SyncBridge(ts)
+        pump = asyncio.ensure_future(bridge.pump())
+        work, thread = start_thread(_work, loader, model, bridge, dev, cuda, name="aload-load")
+        done = await _supervise(bridge, pump, work, thread)
+    stats = ts.stats
+    if strict and not bridge.exhausted:
+        raise LoadError(f"the loader returned after {bridge.delivered} of {stats.tensors} tensors delivered and left the rest unread")
+    if strict and done.names and hasattr(model, "load_weights"):
+        left = [n for n, _ in model.named_parameters() if n not in done.names]
+        if left:
+            done.missing = left
+            raise LoadError(_describe_mismatch(left, []))
+    seconds = time.perf_counter() - t0
+    return LoadReport(
+        tensors=stats.tensors, bytes=stats.bytes, bytes_read=stats.bytes_read, seconds=seconds,
+        gbps=stats.bytes / seconds / 1e9 if seconds > 0 else 0.0, ttft_s=stats.ttft_s,
+        peak_inflight_bytes=stats.peak_inflight_bytes, budget_wait_s=stats.budget_wait_s,
+        overdraft_bytes=stats.overdraft_bytes, direct_bytes=stats.direct_bytes,
+        load_s=done.load_s, postprocess_s=done.postprocess_s, installed=len(done.names),
+        missing=done.missing, unexpected=done.unexpected,
+    )
+
+
+def _work(loader: Loader, model: nn.Module, bridge: SyncBridge, dev: torch.device, cuda: Any) -> Installed:
+    ctx = torch.cuda.stream(cuda) if cuda is not None else contextlib.nullcontext()
+    try:
+        with ctx:
+            done = loader.load_weights_and_postprocess(model, bridge, dev)
+        if cuda is not None:
+            cuda.synchronize()
+        return done
+    except LoadCancelled:
+        raise
+    except BaseException as exc:
+        if bridge.current is not None:
+            add_note(exc, f"aload: raised after tensor {bridge.current!r} was delivered ({bridge.delivered} delivered)")
+        raise
+
+
+async def _supervise(bridge: SyncBridge, pump: "asyncio.Future[None]", work: "asyncio.Future[Installed]", thread: Any) -> Installed:
+    """Wait for the worker; on cancellation or error stop the pipeline and the worker, and raise
+    the error that started it (a pipeline error wins over what the loader made of it)."""
+    try:
+        # The pump may finish first (end of stream, or an error the worker sees on its next
+        # pull); the worker may finish first (it stopped pulling). Either way, wait for the worker.
+        await asyncio.wait([work, pump], return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            await asyncio.wait([work])
+    except BaseException:
+        bridge.close()
+        await asyncio.wait([work])  # the worker stops at its next pull, or after post-processing
+        raise
+    finally:
+        bridge.close()
+        pump.cancel()
+        await asyncio.wait([pump])
+        thread.join()
+    if bridge.error is not None:
+        raise bridge.error
+    return work.result()
+
+
+def load_sync(model: nn.Module, source: "str | os.PathLike[str] | Checkpoint", **kwargs: Any) -> LoadReport:
+    """``load`` for synchronous code: runs its own event loop (uvloop when installed).
+    Refuses to run inside a running event loop: ``await aload.load(...)`` there instead."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is not None:
+        raise UsageError(f"load_sync() called inside a running event loop ({running!r}); use `await aload.load(...)`")
+    try:
+        import uvloop
+
+        factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    except ImportError:
+        factory = asyncio.new_event_loop
+    loop = factory()
+    try:
+        return loop.run_until_complete(load(model, source, **kwargs))
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()

@@ -1,0 +1,136 @@
+"""``aload.stream``: checkpoint -> plan -> reader -> stages, as one async iterator."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import TracebackType
+from typing import Any, AsyncIterator, Callable, Iterable
+
+from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint, _open
+from .plan import DestFn, make_plan
+from .reader import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, Progress, Reader, ReaderStats, _check_positive
+from .stages import Pair, Stage, split_for_plan
+
+
+class TensorStream:
+    """An async iterator of ``(name, tensor)`` in shard order, then offset order.
+
+    Use it as ``async with aload.stream(...) as s: async for name, t in s: ...`` so that an early
+    exit closes every read and file at once; a stream run to its end closes itself.
+    """
+
+    def __init__(
+        self,
+        source: "str | os.PathLike[str] | Checkpoint",
+        *,
+        stages: Iterable[Stage] | Stage = (),
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        progress: Callable[[Progress], None] | None = None,
+        options: dict[str, Any] | None = None,
+        destinations: DestFn | None = None,
+        pin: bool = False,
+        release_event: Callable[[], Any] | None = None,
+        t0: float | None = None,
+    ) -> None:
+        _check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency, chunk_bytes=chunk_bytes)
+        self._source = source
+        self._names, self._stages = split_for_plan(stages)
+        self._reader_args = dict(
+            max_inflight_bytes=max_inflight_bytes, concurrency=concurrency, chunk_bytes=chunk_bytes,
+            pin=pin, release_event=release_event, progress=progress, t0=t0,
+        )
+        self._concurrency = concurrency
+        self._options = options or {}
+        # Reading straight into a destination skips tensor stages, so only without them.
+        self._dest = destinations if not self._stages else None
+        self._t0 = time.perf_counter() if t0 is None else t0
+        self.checkpoint: Checkpoint | None = source if isinstance(source, Checkpoint) else None
+        self._owns = self.checkpoint is None
+        self.reader: Reader | None = None
+        self._chain: list[AsyncIterator[Pair]] = []
+        self._closed = False
+
+    @property
+    def stats(self) -> ReaderStats:
+        return self.reader.stats if self.reader is not None else ReaderStats()
+
+    async def start(self) -> None:
+        if self.reader is not None:
+            return
+        if self.checkpoint is None:
+            self.checkpoint = await _open(os.fspath(self._source), concurrency=self._concurrency, **self._options)  # type: ignore[arg-type]
+        plan = make_plan(self.checkpoint, self._names, self._dest, self._reader_args["chunk_bytes"])  # type: ignore[arg-type]
+        self.reader = Reader(plan, **self._reader_args)  # type: ignore[arg-type]
+        it: AsyncIterator[Pair] = self.reader.items()
+        self._chain = [it]
+        for stage in self._stages:
+            it = stage(it)
+            self._chain.append(it)
+
+    def __aiter__(self) -> "TensorStream":
+        return self
+
+    async def __anext__(self) -> Pair:
+        if self._closed:
+            raise StopAsyncIteration
+        await self.start()
+        try:
+            return await self._chain[-1].__anext__()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        """Stop every read, close the stages, and close the checkpoint if this stream opened it."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for it in reversed(self._chain):
+                aclose = getattr(it, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            if self.reader is not None:
+                await self.reader.aclose()
+        finally:
+            if self._owns and self.checkpoint is not None:
+                await self.checkpoint.aclose()
+
+    async def __aenter__(self) -> "TensorStream":
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+def stream(
+    source: "str | os.PathLike[str] | Checkpoint",
+    *,
+    stages: Iterable[Stage] | Stage = (),
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    progress: Callable[[Progress], None] | None = None,
+    **options: Any,
+) -> TensorStream:
+    """Stream ``(name, tensor)`` pairs from a path, URL or open ``Checkpoint``.
+
+    ``max_inflight_bytes`` (default 512 MiB) bounds the bytes read and not yet released by the
+    consumer; ``concurrency`` (default 4) bounds the reads in flight; ``chunk_bytes`` (default
+    16 MiB) is the largest single read. Other keyword options go to the source.
+    """
+    return TensorStream(
+        source, stages=stages, max_inflight_bytes=max_inflight_bytes, concurrency=concurrency,
+        chunk_bytes=chunk_bytes, progress=progress, options=options,
+    )
+

@@ -1,0 +1,88 @@
+"""The read plan: which byte ranges to read, in which order, into what.
+
+Tensors are taken in shard order, then offset order. Neighbouring small tensors coalesce into
+one unit of up to ``chunk_bytes`` (a gap left by a pruned tensor, or a tensor whose offset would
+be misaligned for its dtype, starts a new unit); a large tensor is a unit of its own, read later
+as several chunks in parallel. A tensor whose destination is known is read straight into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .checkpoint import Checkpoint
+from .format import TensorSpec
+from .sources import Source
+
+#: Plan-time renaming: the final name of a tensor, or None to drop it unread.
+NameFn = Callable[[str], "str | None"]
+#: The tensor to read ``spec`` straight into (CPU, contiguous, same dtype and size), or None.
+DestFn = Callable[[str, TensorSpec], "torch.Tensor | None"]
+
+
+@dataclass
+class Item:
+    spec: TensorSpec
+    name: str
+    offset: int  # within the unit
+
+
+@dataclass
+class Unit:
+    """One buffer's worth of reads: a run of contiguous small tensors or one large tensor."""
+
+    source: Source
+    start: int
+    nbytes: int = 0
+    items: list[Item] = field(default_factory=list)
+    dest: torch.Tensor | None = None
+
+    def chunks(self, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+        """(offset within the unit, length) of each read."""
+        for off in range(0, self.nbytes, chunk_bytes):
+            yield off, min(chunk_bytes, self.nbytes - off)
+
+
+@dataclass
+class Plan:
+    units: list[Unit]
+    tensors: int
+    nbytes: int
+
+
+def make_plan(
+    ckpt: Checkpoint, names: NameFn | None, dest: DestFn | None, chunk_bytes: int
+) -> Plan:
+    units: list[Unit] = []
+    tensors = nbytes = 0
+    group: Unit | None = None
+    for spec in ckpt.specs.values():
+        name = names(spec.name) if names is not None else spec.name
+        if name is None:
+            group = None  # the gap it leaves is never read
+            continue
+        tensors += 1
+        nbytes += spec.nbytes
+        target = dest(name, spec) if dest is not None and spec.nbytes else None
+        if target is not None or spec.nbytes > chunk_bytes:
+            units.append(Unit(ckpt.source(spec), spec.start, spec.nbytes, [Item(spec, name, 0)], target))
+            group = None
+            continue
+        if group is None or not _joins(group, spec, chunk_bytes):
+            group = Unit(ckpt.source(spec), spec.start)
+            units.append(group)
+        group.items.append(Item(spec, name, spec.start - group.start))
+        group.nbytes = spec.end - group.start
+    return Plan(units, tensors, nbytes)
+
+
+def _joins(group: Unit, spec: TensorSpec, chunk_bytes: int) -> bool:
+    return (
+        spec.start == group.start + group.nbytes
+        and spec.shard == group.items[0].spec.shard
+        and (spec.start - group.start) % spec.itemsize == 0
+        and spec.end - group.start <= chunk_bytes
+    )

@@ -1,0 +1,319 @@
+"""The reader: concurrent ranged reads into recycled buffers, bounded by a byte budget.
+
+Everything read and not yet released by the consumer counts against ``max_inflight_bytes``:
+a unit waits for budget before its reads start, and its bytes return to the budget when every
+tensor viewing them (and every view derived from those) is dead. Buffers come from one arena
+of ``max_inflight_bytes``, allocated once and reused, so pages are faulted in once per load
+instead of once per tensor. The units wait in a bounded ``asyncio.Queue`` in plan order.
+
+Two cases step outside the arena, one unit at a time, so a load never deadlocks:
+- a unit larger than the whole budget is read alone once everything else is released;
+- a consumer that holds on to tensors until the budget is exhausted, and then waits for the
+  next one, gets it in fresh memory ("overdraft", counted in ``ReaderStats.overdraft_bytes``).
+  Memory then grows with what the consumer holds: that is the consumer's choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+import numpy as np
+import torch
+
+from .errors import UsageError
+from .plan import Item, Plan, Unit
+
+DEFAULT_MAX_INFLIGHT_BYTES = 512 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+_ALIGN = 4096
+
+
+@dataclass
+class ReaderStats:
+    """Counters a test or a report can read at any time."""
+
+    tensors: int = 0
+    bytes: int = 0  # delivered
+    bytes_read: int = 0
+    reads: int = 0
+    direct_bytes: int = 0  # read straight into their destination, outside the budget
+    inflight_bytes: int = 0
+    peak_inflight_bytes: int = 0
+    budget_waits: int = 0
+    budget_wait_s: float = 0.0
+    overdraft_bytes: int = 0
+    ttft_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Progress:
+    tensors: int
+    tensors_total: int
+    bytes: int
+    bytes_total: int
+    elapsed_s: float
+
+
+class Arena:
+    """First-fit allocator over one buffer; regions are 4 KiB aligned. The buffer is allocated
+    on first use and its pages faulted once, then reused for the rest of the load."""
+
+    def __init__(self, capacity: int, pin: bool) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._pin = pin
+        self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (start, end)
+        self._array: np.ndarray[Any, Any] | None = None
+
+    def array(self) -> np.ndarray[Any, Any]:
+        if self._array is None:
+            self._array = _host_array(self.capacity, self._pin)
+        return self._array
+
+    def alloc(self, n: int) -> int | None:
+        size = -(-n // _ALIGN) * _ALIGN
+        for i, (start, end) in enumerate(self._free):
+            if end - start >= size:
+                self._free[i : i + 1] = [(start + size, end)] if end - start > size else []
+                self.used += size
+                return start
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        size = -(-n // _ALIGN) * _ALIGN
+        end = start + size
+        self.used -= size
+        i = bisect.bisect(self._free, (start, end))
+        if i < len(self._free) and self._free[i][0] == end:
+            end = self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][1] == start:
+            start = self._free.pop(i - 1)[0]
+            i -= 1
+        self._free.insert(i, (start, end))
+
+
+def _host_array(n: int, pin: bool) -> np.ndarray[Any, Any]:
+    if pin:
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
+    return np.empty(n, dtype=np.uint8)
+
+
+class Lease:
+    """A region of host memory holding one unit; released when its last view dies."""
+
+    __slots__ = ("start", "nbytes", "tensor", "__weakref__")
+
+    def __init__(self, start: int | None, nbytes: int, view: np.ndarray[Any, Any]) -> None:
+        self.start = start  # None: outside the arena
+        self.nbytes = nbytes
+        self.tensor: torch.Tensor | None = torch.from_numpy(view)
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _tensor(base: torch.Tensor | None, item: Item) -> torch.Tensor:
+    spec = item.spec
+    if base is None:  # zero-size tensors own no bytes
+        return torch.empty(spec.shape, dtype=spec.torch_dtype)
+    return base[item.offset : item.offset + spec.nbytes].view(spec.torch_dtype).view(spec.shape)
+
+
+class Reader:
+    """Reads a plan and yields ``(name, tensor)`` in plan order."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        *,
+        max_inflight_bytes: int,
+        concurrency: int,
+        chunk_bytes: int,
+        pin: bool = False,
+        release_event: Callable[[], Any] | None = None,
+        progress: Callable[[Progress], None] | None = None,
+        t0: float | None = None,
+    ) -> None:
+        _check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency, chunk_bytes=chunk_bytes)
+        self.plan = plan
+        self.stats = ReaderStats()
+        self.auto_starving = True  # plain `async for`: waiting for the next tensor means starving
+        self._arena = Arena(max_inflight_bytes, pin)
+        self._pin = pin
+        self._chunk = chunk_bytes
+        self._gate = asyncio.Semaphore(concurrency)
+        self._queue: asyncio.Queue[tuple[Unit, Lease | None, asyncio.Task[None]] | None] = asyncio.Queue(
+            maxsize=2 * concurrency
+        )
+        self._changed = asyncio.Event()
+        self._starving = False
+        self._waiting = False
+        self._outside = 0
+        self._release_event = release_event
+        self._progress = progress
+        self._loop = asyncio.get_running_loop()
+        self._t0 = time.perf_counter() if t0 is None else t0
+        self._producer: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- budget ---------------------------------------------------------------------------
+    def set_starving(self, starving: bool) -> None:
+        """The consumer is (or is no longer) blocked waiting for the next tensor."""
+        self._starving = starving
+        self._changed.set()
+
+    def _consumer_stuck(self) -> bool:
+        return self._waiting and self._queue.empty() and (self.auto_starving or self._starving)
+
+    async def _acquire(self, n: int) -> Lease:
+        waited_from: float | None = None
+        try:
+            while True:
+                lease = self._try_alloc(n)
+                if lease is None and self._consumer_stuck():
+                    await asyncio.sleep(0)  # let pending releases land first
+                    lease = self._try_alloc(n) or (self._overdraft(n) if self._consumer_stuck() else None)
+                if lease is not None:
+                    return lease
+                if waited_from is None:
+                    waited_from = time.perf_counter()
+                    self.stats.budget_waits += 1
+                self._changed.clear()
+                await self._changed.wait()
+        finally:
+            if waited_from is not None:
+                self.stats.budget_wait_s += time.perf_counter() - waited_from
+
+    def _try_alloc(self, n: int) -> Lease | None:
+        if n <= self._arena.capacity:
+            start = self._arena.alloc(n)
+            if start is None:
+                return None
+            return self._lease(start, n, self._arena.array()[start : start + n])
+        if self._arena.used == 0 and self._outside == 0:  # larger than the budget: alone
+            return self._outside_lease(n)
+        return None
+
+    def _overdraft(self, n: int) -> Lease:
+        self.stats.overdraft_bytes += n
+        return self._outside_lease(n)
+
+    def _outside_lease(self, n: int) -> Lease:
+        self._outside += n
+        return self._lease(None, n, _host_array(n, self._pin))
+
+    def _lease(self, start: int | None, n: int, view: np.ndarray[Any, Any]) -> Lease:
+        lease = Lease(start, n, view)
+        self.stats.inflight_bytes += n
+        self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self.stats.inflight_bytes)
+        # Fires when the last tensor sharing `view`'s memory dies, in whichever thread drops it.
+        weakref.finalize(view, self._released_threadsafe, start, n)
+        return lease
+
+    def _released_threadsafe(self, start: int | None, n: int) -> None:
+        event = self._release_event() if self._release_event is not None else None
+        try:
+            self._loop.call_soon_threadsafe(self._released, start, n, event)
+        except RuntimeError:  # loop closed: the reader is gone
+            pass
+
+    def _released(self, start: int | None, n: int, event: Any) -> None:
+        if event is not None and not event.query():  # a GPU copy still reads this memory
+            self._loop.call_later(0.0005, self._released, start, n, event)
+            return
+        if start is None:
+            self._outside -= n
+        else:
+            self._arena.free(start, n)
+        self.stats.inflight_bytes -= n
+        self._changed.set()
+
+    # -- reads ----------------------------------------------------------------------------
+    async def _produce(self) -> None:
+        for unit in self.plan.units:
+            lease = await self._acquire(unit.nbytes) if unit.dest is None and unit.nbytes else None
+            target = lease.tensor if lease is not None else unit.dest
+            task = asyncio.ensure_future(self._read(unit, target))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            await self._queue.put((unit, lease, task))
+            del lease, target
+        await self._queue.put(None)
+
+    async def _read(self, unit: Unit, target: torch.Tensor | None) -> None:
+        if target is None or unit.nbytes == 0:
+            return
+        buf = _byte_view(target)
+        await asyncio.gather(*(self._read_chunk(unit, buf, off, n) for off, n in unit.chunks(self._chunk)))
+        if unit.dest is not None:
+            self.stats.direct_bytes += unit.nbytes
+
+    async def _read_chunk(self, unit: Unit, buf: memoryview, off: int, n: int) -> None:
+        async with self._gate:
+            await unit.source.readinto(unit.start + off, buf[off : off + n])
+        self.stats.bytes_read += n
+        self.stats.reads += 1
+
+    # -- delivery -------------------------------------------------------------------------
+    async def items(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """The tensors in plan order; each owns its memory until the consumer drops it."""
+        self._producer = asyncio.ensure_future(self._produce())
+        while True:
+            entry = await self._next_unit()
+            if entry is None:
+                return
+            unit, lease, task = entry
+            await task
+            base = lease.tensor if lease is not None else None
+            del lease, entry
+            for item in unit.items:
+                yield item.name, self._deliver(unit, base, item)
+            del base  # not held while waiting for the next unit
+
+    async def _next_unit(self) -> tuple[Unit, Lease | None, asyncio.Task[None]] | None:
+        get = asyncio.ensure_future(self._queue.get())
+        self._waiting = True
+        self._changed.set()
+        try:
+            producer = self._producer
+            assert producer is not None
+            await asyncio.wait([get, producer], return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                producer.result()  # raises the producer's error
+            return get.result()
+        finally:
+            self._waiting = False
+
+    def _deliver(self, unit: Unit, base: torch.Tensor | None, item: Item) -> torch.Tensor:
+        t = unit.dest if unit.dest is not None else _tensor(base, item)
+        s = self.stats
+        if s.ttft_s is None:
+            s.ttft_s = time.perf_counter() - self._t0
+        s.tensors += 1
+        s.bytes += item.spec.nbytes
+        if self._progress is not None:
+            self._progress(Progress(s.tensors, self.plan.tensors, s.bytes, self.plan.nbytes, time.perf_counter() - self._t0))
+        return t
+
+    async def aclose(self) -> None:
+        """Stop producing and wait for every read started (their buffers may still be written)."""
+        pending = [t for t in (self._producer, *self._tasks) if t is not None and not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        while not self._queue.empty():  # drop queued leases so their memory returns
+            self._queue.get_nowait()
+
+
+def _check_positive(**values: int) -> None:
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise UsageError(f"{key} must be a positive integer number of {'bytes' if 'bytes' in key else 'requests'}, got {value!r}")
