@@ -35,6 +35,7 @@ class SyncBridge(Iterator[Pair]):
         self._closed = False
         self.error: BaseException | None = None
         self.delivered = 0
+        self.exhausted = False
         self.current: str | None = None  # the name last handed to the consumer
 
     async def pump(self) -> None:
@@ -59,7 +60,8 @@ class SyncBridge(Iterator[Pair]):
                 if self._closed:
                     return
         except BaseException as exc:
-            self.error = exc
+            if not isinstance(exc, asyncio.CancelledError):
+                self.error = exc
             raise
         finally:
             with self._cond:
@@ -92,6 +94,7 @@ class SyncBridge(Iterator[Pair]):
             if not self._items:
                 if self.error is not None:
                     raise self.error
+                self.exhausted = True  # the consumer saw the end of the stream
                 raise StopIteration
             pair = self._items.popleft()
             if self._pump_waiting and len(self._items) <= self._max // 2:
@@ -100,10 +103,6 @@ class SyncBridge(Iterator[Pair]):
         self.delivered += 1
         self.current = pair[0]
         return pair
-
-    @property
-    def exhausted(self) -> bool:
-        return self._done and not self._items and self.error is None
 
     def close(self) -> None:
         """Loop side: the consumer's next ``__next__`` raises ``LoadCancelled``; the pump stops."""

@@ -34,6 +34,12 @@ class AloadError(Exception):
         self.byte_range = byte_range
         super().__init__(self._render())
 
+    def locate(self, url: str) -> None:
+        """Name the checkpoint when the error was raised where only the tensor was known."""
+        if self.url is None:
+            self.url = url
+            self.args = (self._render(),)
+
     def _render(self) -> str:
         where = []
         if self.tensor is not None:

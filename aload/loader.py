@@ -20,7 +20,7 @@ from torch import nn
 from ._threads import start_thread
 from .bridge import LoadCancelled, SyncBridge
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint
-from .errors import LoadError, UsageError, add_note
+from .errors import AloadError, LoadError, UsageError, add_note
 from .format import TensorSpec
 from .pipeline import TensorStream
 from .reader import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, Progress
@@ -239,11 +239,15 @@ async def load(
         destinations=loader.destinations(model, dev), pin=cuda is not None,
         release_event=(lambda: torch.cuda.Event().record(cuda)) if cuda is not None else None, t0=t0,
     )
-    async with ts:
-        bridge = SyncBridge(ts)
-        pump = asyncio.ensure_future(bridge.pump())
-        work, thread = start_thread(_work, loader, model, bridge, dev, cuda, name="aload-load")
-        done = await _supervise(bridge, pump, work, thread)
+    try:
+        async with ts:
+            bridge = SyncBridge(ts)
+            pump = asyncio.ensure_future(bridge.pump())
+            work, thread = start_thread(_work, loader, model, bridge, dev, cuda, name="aload-load")
+            done = await _supervise(bridge, pump, work, thread)
+    except AloadError as exc:
+        exc.locate(ts.checkpoint.url if ts.checkpoint is not None else os.fspath(source))  # type: ignore[arg-type]
+        raise
     stats = ts.stats
     if strict and not bridge.exhausted:
         raise LoadError(f"the loader returned after {bridge.delivered} of {stats.tensors} tensors delivered and left the rest unread")
@@ -297,6 +301,9 @@ async def _supervise(bridge: SyncBridge, pump: "asyncio.Future[None]", work: "as
         pump.cancel()
         await asyncio.wait([pump])
         thread.join()
+        for fut in (work, pump):  # their errors are raised below or superseded; mark them seen
+            if fut.done() and not fut.cancelled():
+                fut.exception()
     if bridge.error is not None:
         raise bridge.error
     return work.result()

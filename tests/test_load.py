@@ -1,0 +1,279 @@
+"""Loading into models: transformers checkpoints, the built-in loader, phases, hooks, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import pytest
+import torch
+from torch import nn
+
+import aload
+
+from .conftest import llama_like
+
+MiB = 1 << 20
+
+
+def tiny_llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval(), cfg
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Path]:
+    """A tiny Llama saved sharded by transformers (built here, off the test's event loop)."""
+    model, cfg = tiny_llama()
+    folder = tmp_path_factory.mktemp("llama") / "ckpt"
+    model.save_pretrained(folder, max_shard_size="100KB", safe_serialization=True)
+    assert (folder / "model.safetensors.index.json").exists()
+    return model, cfg, folder
+
+
+@pytest.mark.parametrize("budget", [64 * 1024, 512 * MiB])
+async def test_transformers_sharded_checkpoint_gives_identical_state_and_logits(
+    llama_checkpoint: tuple[Any, Any, Path], budget: int
+) -> None:
+    from transformers import LlamaForCausalLM
+
+    model, cfg, folder = llama_checkpoint
+    torch.manual_seed(123)
+    fresh = LlamaForCausalLM(cfg).eval()
+    report = await aload.load(fresh, folder, max_inflight_bytes=budget)
+    want, got = model.state_dict(), fresh.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fresh(ids).logits)
+    assert report.missing == [] and report.unexpected == [] and report.tensors == len(want)
+    assert report.peak_inflight_bytes <= budget and report.bytes_read == report.bytes
+
+
+async def test_tied_weights_and_non_persistent_buffers(write: Callable[..., Path]) -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+            self.register_buffer("position_ids", torch.arange(5), persistent=False)
+
+    src = Tied()
+    path = write({"embed.weight": src.embed.weight.detach().clone() + 1, "position_ids": torch.arange(5) * 2})
+    dst = Tied()
+    report = await aload.load(dst, path)  # strict: the tied head and the buffer are not missing
+    assert torch.equal(dst.head.weight, src.embed.weight + 1) and torch.equal(dst.position_ids, torch.arange(5) * 2)
+    assert report.missing == [] and report.installed == 2
+
+
+async def test_strict_reports_missing_and_unexpected(write: Callable[..., Path]) -> None:
+    path = write({"lin.weight": torch.ones(3, 2), "extra": torch.ones(1)})
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 3)
+
+    with pytest.raises(aload.LoadError) as info:
+        await aload.load(M(), path)
+    assert "lin.bias" in str(info.value) and "extra" in str(info.value)
+    m = M()
+    report = await aload.load(m, path, strict=False)
+    assert report.missing == ["lin.bias"] and report.unexpected == ["extra"]
+    assert torch.equal(m.lin.weight, torch.ones(3, 2))
+
+
+async def test_shape_mismatch_names_both_shapes(write: Callable[..., Path]) -> None:
+    path = write({"weight": torch.ones(3, 2), "bias": torch.ones(2)})
+    with pytest.raises(aload.LoadError, match=r"shape \[3, 2\] in the checkpoint, \[2, 2\] in the model") as info:
+        await aload.load(nn.Linear(2, 2), path)
+    assert info.value.tensor == "weight" and info.value.url == str(path)
+
+
+async def test_builtin_reads_straight_into_parameters_and_converts_dtypes(write: Callable[..., Path]) -> None:
+    tensors = llama_like(dtype=torch.bfloat16)
+    path = write(tensors)
+
+    class Flat(nn.Module):
+        def __init__(self, dtype: torch.dtype) -> None:
+            super().__init__()
+            for k, v in tensors.items():
+                self.register_buffer(k.replace(".", "__"), torch.zeros(v.shape, dtype=dtype))
+
+    same, wider = Flat(torch.bfloat16), Flat(torch.float32)
+    rename = aload.stages.rename(r"\.", "__")
+    r1 = await aload.load(same, path, stages=rename)
+    r2 = await aload.load(wider, path, stages=rename)
+    total = sum(t.nbytes for t in tensors.values())
+    assert r1.direct_bytes == total and r1.peak_inflight_bytes == 0  # no intermediate buffer at all
+    assert r2.direct_bytes == 0  # float32 targets: read into buffers, converted by copy_
+    for k, v in tensors.items():
+        assert torch.equal(getattr(same, k.replace(".", "__")), v)
+        assert torch.equal(getattr(wider, k.replace(".", "__")), v.float())
+
+
+class Recorder(nn.Module):
+    """vLLM-style: ``load_weights`` and a quant_method post-processed after every load."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+        self.w = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.sub = nn.Module()
+        self.sub.quant_method = self  # type: ignore[assignment]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, t in weights:
+            self.log.append(f"load {name}")
+            if name == "w":
+                self.w.data.copy_(t)
+        return {"w"}
+
+    def process_weights_after_loading(self, module: nn.Module) -> None:
+        self.log.append("postprocess")
+
+
+async def test_phases_in_order_with_hooks(write: Callable[..., Path]) -> None:
+    path = write({"w": torch.arange(4.0), "other": torch.ones(2)})
+    log: list[str] = []
+    report = await aload.load(
+        Recorder(log), path,
+        after_load=[lambda m: log.append("after_load")], after_postprocess=[lambda m: log.append("after_post")],
+    )
+    assert log == ["load other", "load w", "after_load", "postprocess", "after_post"] or log == [
+        "load w", "load other", "after_load", "postprocess", "after_post"]
+    assert report.installed == 1
+
+
+async def test_an_override_of_one_phase_is_honoured(write: Callable[..., Path]) -> None:
+    path = write({"w": torch.arange(4.0)})
+    log: list[str] = []
+
+    class NoPost(aload.Loader):
+        def postprocess_weights(self, model: nn.Module, device: torch.device) -> None:
+            log.append("custom postprocess")
+
+    class Counting(aload.Loader):
+        def load_weights_only(self, model: nn.Module, weights: Any, device: torch.device) -> aload.Installed:
+            n = sum(1 for _ in weights)
+            log.append(f"custom load {n}")
+            return aload.Installed({"w"})
+
+    await aload.load(Recorder(log), path, loader=NoPost())
+    await aload.load(Recorder(log), path, loader=Counting())
+    assert log == ["load w", "custom postprocess", "custom load 1", "postprocess"]
+
+
+async def test_quantization_postprocess_sees_every_weight(write: Callable[..., Path]) -> None:
+    """An int8 quant method: post-processing must see the loaded float weight, not zeros."""
+
+    class Int8:
+        def process_weights_after_loading(self, layer: nn.Module) -> None:
+            w = layer.weight.data
+            scale = w.abs().amax(dim=1, keepdim=True) / 127
+            layer.qweight = (w / scale).round().to(torch.int8)
+            layer.scale = scale
+
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 4, bias=False)
+    path = write({"weight": ref.weight.detach().clone()})
+    layer = nn.Linear(8, 4, bias=False)
+    layer.quant_method = Int8()  # type: ignore[assignment]
+    nn.init.zeros_(layer.weight)
+    await aload.load(layer, path)
+    deq = layer.qweight.float() * layer.scale
+    assert (deq - ref.weight).abs().max() <= layer.scale.max() / 2 + 1e-6  # half a quantization step
+
+
+async def test_loader_error_is_the_one_raised_and_nothing_leaks(write: Callable[..., Path]) -> None:
+    path = write({f"t{i}": torch.randn(256, 1024) for i in range(16)})
+
+    seen: list[str] = []
+
+    class Boom(nn.Module):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for name, _ in weights:
+                seen.append(name)
+                if len(seen) == 4:
+                    raise KeyError("model code failed")
+
+    with pytest.raises(KeyError, match="model code failed") as info:
+        await aload.load(Boom(), path, max_inflight_bytes=2 * MiB, chunk_bytes=MiB)
+    assert any(repr(seen[-1]) in n and "4 delivered" in n for n in getattr(info.value, "__notes__", []))
+
+
+async def test_pipeline_error_wins_over_what_the_model_made_of_it(write: Callable[..., Path]) -> None:
+    path = write({f"t{i}": torch.randn(16) for i in range(8)})
+
+    class Swallow(nn.Module):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            try:
+                for _ in weights:
+                    pass
+            except ValueError:
+                raise RuntimeError("wrapped") from None
+
+    def bad(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name == "t5":
+            raise ValueError("stage failed on t5")
+        return t
+
+    with pytest.raises(ValueError, match="stage failed on t5"):
+        await aload.load(Swallow(), path, stages=aload.stages.map(bad))
+
+
+async def test_cancelling_a_load_stops_the_worker_and_reads(write: Callable[..., Path]) -> None:
+    path = write({f"t{i}": torch.randn(256, 1024) for i in range(32)})
+    started = threading.Event()
+    seen: list[str] = []
+
+    class Slow(nn.Module):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for name, _ in weights:
+                seen.append(name)
+                started.set()
+                threading.Event().wait(0.01)
+
+    task = asyncio.ensure_future(aload.load(Slow(), path, max_inflight_bytes=2 * MiB, chunk_bytes=MiB))
+    while not started.is_set():
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert 0 < len(seen) < 32
+    # no_leaks checks that the worker and reader threads and the files are gone
+
+
+async def test_loader_that_stops_early_is_an_error(write: Callable[..., Path]) -> None:
+    path = write({f"t{i}": torch.randn(16) for i in range(8)})
+
+    class Lazy(nn.Module):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            next(iter(weights))
+
+    with pytest.raises(aload.LoadError, match="left the rest unread"):
+        await aload.load(Lazy(), path)
+
+
+async def test_load_sync_refuses_a_running_loop(write: Callable[..., Path]) -> None:
+    path = write({"weight": torch.ones(2, 2), "bias": torch.ones(2)})
+    with pytest.raises(aload.UsageError, match="running event loop"):
+        aload.load_sync(nn.Linear(2, 2), path)
+
+
+def test_load_sync_from_plain_code(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.full((2, 2), 3.0), "bias": torch.ones(2)}, str(tmp_path / "m.safetensors"))
+    lin = nn.Linear(2, 2)
+    report = aload.load_sync(lin, tmp_path / "m.safetensors")
+    assert torch.equal(lin.weight, torch.full((2, 2), 3.0)) and report.tensors == 2

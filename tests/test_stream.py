@@ -1,0 +1,180 @@
+"""The reader: bytes identical, order, the byte budget, plan pruning, no deadlock, no leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import uvloop
+
+import aload
+from aload import stages as S
+
+from .conftest import LoopWatchdog, collect, llama_like
+
+MiB = 1 << 20
+
+
+def big_checkpoint(n: int = 24, rows: int = 256, cols: int = 1024) -> dict[str, torch.Tensor]:
+    """n tensors of 1 MiB (float32 256x1024) plus small norms between them."""
+    g = torch.Generator().manual_seed(1)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(n):
+        out[f"layers.{i}.w"] = torch.randn(rows, cols, generator=g)
+        out[f"layers.{i}.norm"] = torch.randn(cols, generator=g)
+    return out
+
+
+async def test_budget_bounds_bytes_in_flight(write: Callable[..., Path]) -> None:
+    tensors = big_checkpoint()  # ~24 MiB, six times the budget
+    path = write(tensors)
+    budget = 4 * MiB
+    async with aload.stream(path, max_inflight_bytes=budget, chunk_bytes=MiB) as s:
+        n = 0
+        async for name, t in s:
+            assert torch.equal(t, tensors[name])
+            n += 1
+            await asyncio.sleep(0)  # a consumer slower than the reads
+        stats = s.stats
+    assert n == len(tensors)
+    assert stats.peak_inflight_bytes <= budget
+    assert stats.overdraft_bytes == 0
+    assert stats.budget_waits > 0  # the budget, not luck, kept it bounded
+    assert stats.bytes_read == sum(t.nbytes for t in tensors.values())
+
+
+async def test_stages_and_lazy_consumer_keep_the_bound(write: Callable[..., Path]) -> None:
+    tensors = big_checkpoint()
+    path = write(tensors)
+    seen = []
+    pipeline = S.rename(r"^layers\.", "model.layers.") | S.map(lambda n, t: t * 2, match=r"\.w$")
+
+    class Model(torch.nn.Module):
+        def load_weights(self, weights: object) -> None:
+            for name, t in weights:  # type: ignore[attr-defined]
+                seen.append(name)
+                assert torch.equal(t, tensors[name.removeprefix("model.")] * (2 if name.endswith(".w") else 1))
+
+    report = await aload.load(Model(), path, stages=pipeline, max_inflight_bytes=4 * MiB, chunk_bytes=MiB)
+    assert len(seen) == len(tensors)
+    assert report.peak_inflight_bytes <= 4 * MiB and report.overdraft_bytes == 0
+
+
+async def test_dropped_tensors_are_never_read(write: Callable[..., Path]) -> None:
+    tensors = big_checkpoint(n=8)
+    path = write(tensors)
+    async with aload.stream(path, stages=(S.keep(r"\.norm$"),)) as s:
+        got = await collect(s)
+        stats = s.stats
+    assert set(got) == {k for k in tensors if k.endswith(".norm")}
+    assert stats.bytes_read == sum(tensors[k].nbytes for k in got)
+
+
+async def test_small_tensors_coalesce_and_large_ones_split(write: Callable[..., Path]) -> None:
+    tensors = {f"n{i:03d}": torch.full((16,), float(i)) for i in range(200)}  # 64 B each
+    tensors["zz_big"] = torch.randn(4 * MiB // 4)  # 4 MiB
+    path = write(tensors)
+    async with aload.stream(path, chunk_bytes=MiB) as s:
+        got = await collect(s)
+        stats = s.stats
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert stats.reads == 1 + 4  # 200 small tensors in one read, the big one in four
+
+
+async def test_tensor_larger_than_budget_is_delivered_alone(write: Callable[..., Path]) -> None:
+    tensors = {"a": torch.randn(1000), "huge": torch.randn(2 * MiB // 4), "z": torch.randn(1000)}
+    path = write(tensors)
+    async with aload.stream(path, max_inflight_bytes=MiB) as s:
+        got = {}
+        async for name, t in s:
+            got[name] = t.clone()
+            del t
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+async def test_consumer_holding_every_tensor_does_not_deadlock(write: Callable[..., Path]) -> None:
+    tensors = big_checkpoint(n=12)
+    path = write(tensors)
+    held = []
+    async with aload.stream(path, max_inflight_bytes=2 * MiB, chunk_bytes=MiB) as s:
+        async for name, t in s:
+            held.append((name, t))  # never released
+        stats = s.stats
+    assert len(held) == len(tensors)
+    assert all(torch.equal(t, tensors[n]) for n, t in held)
+    assert stats.overdraft_bytes > 0  # reported, not hidden
+
+
+async def test_buffers_are_recycled_not_overwritten_while_alive(write: Callable[..., Path]) -> None:
+    """A derived view keeps its buffer alive: later reads must not reuse that memory."""
+    tensors = big_checkpoint(n=16)
+    path = write(tensors)
+    kept = {}
+    async with aload.stream(path, max_inflight_bytes=3 * MiB, chunk_bytes=MiB) as s:
+        async for name, t in s:
+            if name == "layers.0.w":
+                kept[name] = t[10:20]  # a view of the buffer, not the tensor handed out
+    assert torch.equal(kept["layers.0.w"], tensors["layers.0.w"][10:20])
+
+
+async def test_early_exit_closes_reads_and_files(write: Callable[..., Path]) -> None:
+    path = write(big_checkpoint())
+    async with aload.stream(path, max_inflight_bytes=4 * MiB) as s:
+        async for _name, _t in s:
+            break
+    # the no_leaks fixture checks threads and file descriptors
+
+
+async def test_truncated_shard_names_file_and_range(write: Callable[..., Path]) -> None:
+    tensors = big_checkpoint(n=4)
+    path = write(tensors)
+    async with aload.open(path) as ckpt:
+        os.truncate(path, os.path.getsize(path) - 100)  # shrinks under an open checkpoint
+        with pytest.raises(aload.SourceError, match="file ended") as info:
+            await collect(aload.stream(ckpt))
+    assert info.value.url == str(path) and info.value.byte_range is not None
+
+
+async def test_bad_budget_values_are_refused(write: Callable[..., Path]) -> None:
+    path = write({"a": torch.ones(1)})
+    for kw in ({"max_inflight_bytes": 0}, {"concurrency": -1}, {"chunk_bytes": 1.5}):
+        with pytest.raises(aload.UsageError, match="positive integer"):
+            aload.stream(path, **kw)  # type: ignore[arg-type]
+
+
+async def test_progress_reports_every_tensor(write: Callable[..., Path]) -> None:
+    tensors = llama_like()
+    path = write(tensors)
+    ticks: list[aload.Progress] = []
+    await collect(aload.stream(path, progress=ticks.append))
+    assert len(ticks) == len(tensors)
+    assert ticks[-1].bytes == ticks[-1].bytes_total == sum(t.nbytes for t in tensors.values())
+
+
+def test_streams_under_uvloop_without_blocking(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = big_checkpoint(n=8)
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+
+    async def main() -> float:
+        async with LoopWatchdog() as dog:
+            got = await collect(aload.stream(tmp_path / "m.safetensors", max_inflight_bytes=2 * MiB))
+        assert all(torch.equal(got[k], v) for k, v in tensors.items())
+        return dog.worst
+
+    assert uvloop.run(main()) < 0.25
+
+
+@pytest.mark.blocks_loop
+async def test_watchdog_catches_a_blocked_loop() -> None:
+    async with LoopWatchdog() as dog:
+        await asyncio.sleep(0.01)
+        time.sleep(0.3)  # what a blocking read on the loop looks like
+        await asyncio.sleep(0.01)
+    assert dog.worst >= 0.25
