@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
-def start_thread(fn: Callable[..., T], *args: Any, name: str = "aload-worker") -> tuple["asyncio.Future[T]", threading.Thread]:
+def start_thread(
+    fn: Callable[..., T], *args: Any, name: str = "aload-worker"
+) -> tuple[asyncio.Future[T], threading.Thread]:
     """Start ``fn(*args)`` on a new thread; the future resolves on the current loop."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[T] = loop.create_future()

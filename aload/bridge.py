@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 from .pipeline import TensorStream
 from .stages import Pair

@@ -11,9 +11,10 @@ import asyncio
 import json
 import os
 import posixpath
+from collections.abc import Awaitable, Generator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Awaitable, Generator
+from typing import Any
 
 from ._threads import run_in_thread
 from .errors import CheckpointError
@@ -70,7 +71,7 @@ class Checkpoint:
     async def aclose(self) -> None:
         await self.store.aclose()
 
-    async def __aenter__(self) -> "Checkpoint":
+    async def __aenter__(self) -> Checkpoint:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -98,7 +99,7 @@ class _Opening:
         await self._ckpt.aclose()
 
 
-def open(url: str, *, concurrency: int = DEFAULT_CONCURRENCY, **options: Any) -> _Opening:  # noqa: A001
+def open(url: str, *, concurrency: int = DEFAULT_CONCURRENCY, **options: Any) -> _Opening:
     """Open the checkpoint at ``url`` (a path, ``file://``, or a registered scheme), reading only
     its index and headers. ``concurrency`` sizes the pool of parallel reads."""
     return _Opening(_open(str(url), concurrency=concurrency, **options))
@@ -192,16 +193,15 @@ def _check_relative(fname: str, url: str, tensor: str) -> None:
         raise CheckpointError(f"index names a file outside the checkpoint: {fname!r}", url=url, tensor=tensor)
 
 
-def _assemble(
-    store: Store, shards: list[Shard], metadata: dict[str, Any], index: dict[str, str] | None
-) -> Checkpoint:
+def _assemble(store: Store, shards: list[Shard], metadata: dict[str, Any], index: dict[str, str] | None) -> Checkpoint:
     specs: dict[str, TensorSpec] = {}
     for shard in shards:
         for spec in shard.specs:
             if spec.name in specs:
                 raise CheckpointError(
                     f"tensor is in two shards: {specs[spec.name].shard} and {shard.url}",
-                    url=store.url, tensor=spec.name,
+                    url=store.url,
+                    tensor=spec.name,
                 )
             if index is not None and index.get(spec.name) != shard.name:
                 placed = index.get(spec.name)
@@ -211,6 +211,7 @@ def _assemble(
     if index is not None:
         for tensor, fname in index.items():
             if tensor not in specs:
-                raise CheckpointError(f"the index places it in {fname!r}, which does not hold it", url=store.url, tensor=tensor)
+                raise CheckpointError(
+                    f"the index places it in {fname!r}, which does not hold it", url=store.url, tensor=tensor
+                )
     return Checkpoint(store.url, tuple(shards), specs, metadata, store)
-

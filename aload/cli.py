@@ -47,7 +47,7 @@ class ProgressBar:
 async def _inspect(args: argparse.Namespace) -> int:
     async with open(args.path) as ckpt:
         dtypes = Counter(s.dtype for s in ckpt.specs.values())
-        info = {
+        info: dict[str, Any] = {
             "url": ckpt.url,
             "shards": [{"name": s.name or s.url, "bytes": s.size, "tensors": len(s.specs)} for s in ckpt.shards],
             "tensors": len(ckpt.specs),
@@ -76,13 +76,15 @@ def _factory(spec: str) -> Any:
 
 async def _load(args: argparse.Namespace) -> int:
     bar = None if args.quiet else ProgressBar()
-    opts = dict(max_inflight_bytes=args.budget, concurrency=args.concurrency, chunk_bytes=args.chunk_bytes, progress=bar)
+    opts: dict[str, Any] = dict(
+        max_inflight_bytes=args.budget, concurrency=args.concurrency, chunk_bytes=args.chunk_bytes, progress=bar
+    )
     if args.model:
-        report = await load(_factory(args.model), args.path, strict=not args.non_strict, **opts)  # type: ignore[arg-type]
+        report = await load(_factory(args.model), args.path, strict=not args.non_strict, **opts)
         row: dict[str, Any] = asdict(report)
     else:  # no model: stream every tensor and drop it, measuring the pipeline alone
         t0 = time.perf_counter()
-        async with stream(args.path, **opts) as s:  # type: ignore[arg-type]
+        async with stream(args.path, **opts) as s:
             async for _ in s:
                 pass
             st = s.stats
@@ -91,7 +93,16 @@ async def _load(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(row, indent=2))
     else:
-        for key in ("tensors", "bytes", "bytes_read", "seconds", "gbps", "ttft_s", "peak_inflight_bytes", "budget_wait_s"):
+        for key in (
+            "tensors",
+            "bytes",
+            "bytes_read",
+            "seconds",
+            "gbps",
+            "ttft_s",
+            "peak_inflight_bytes",
+            "budget_wait_s",
+        ):
             print(f"{key:>20}: {row.get(key)}")
     return 0
 

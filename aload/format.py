@@ -45,9 +45,7 @@ _DTYPE_TABLE: tuple[tuple[str, str, int], ...] = (
     ("F8_E8M0", "float8_e8m0fnu", 1),
 )
 
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, attr) for name, attr, _ in _DTYPE_TABLE if hasattr(torch, attr)
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, attr) for name, attr, _ in _DTYPE_TABLE if hasattr(torch, attr)}
 ITEMSIZE: dict[str, int] = {name: size for name, _, size in _DTYPE_TABLE if name in DTYPES}
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
@@ -99,7 +97,8 @@ def header_length(prefix: bytes, file_size: int, url: str) -> int:
     if 8 + n > file_size:
         raise HeaderError(
             f"header claims {n} bytes but the file has only {file_size - 8} after the length",
-            url=url, byte_range=(8, 8 + n),
+            url=url,
+            byte_range=(8, 8 + n),
         )
     return n
 
@@ -138,9 +137,7 @@ def _load_json(raw: bytes, url: str) -> dict[str, Any]:
 def _metadata(value: Any, url: str) -> dict[str, str]:
     if value is None:
         return {}
-    if not isinstance(value, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-    ):
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise HeaderError("__metadata__ must be an object of strings to strings", url=url)
     return dict(value)
 
@@ -167,7 +164,9 @@ def _spec(name: str, entry: Any, url: str, data_start: int) -> TensorSpec:
     if end < begin or end - begin != nbytes:
         raise HeaderError(
             f"data_offsets span {end - begin} bytes but {dtype}{shape} needs {nbytes}",
-            url=url, tensor=name, byte_range=(data_start + begin, data_start + end),
+            url=url,
+            tensor=name,
+            byte_range=(data_start + begin, data_start + end),
         )
     return TensorSpec(name, dtype, tuple(shape), url, data_start + begin, data_start + end)
 
@@ -187,5 +186,6 @@ def _check_tiling(specs: list[TensorSpec], file_size: int, data_start: int, url:
     if cursor != file_size:
         raise HeaderError(
             f"tensors end at byte {cursor} but the file has {file_size} bytes",
-            url=url, byte_range=(cursor, file_size),
+            url=url,
+            byte_range=(cursor, file_size),
         )

@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -115,7 +116,9 @@ class Loader:
         self.after_load = tuple(after_load)
         self.after_postprocess = tuple(after_postprocess)
 
-    def destinations(self, model: nn.Module, device: torch.device) -> Callable[[str, TensorSpec], torch.Tensor | None] | None:
+    def destinations(
+        self, model: nn.Module, device: torch.device
+    ) -> Callable[[str, TensorSpec], torch.Tensor | None] | None:
         """Where the built-in loader can have bytes read straight into the parameter; None
         when the model brings its own ``load_weights`` (it decides where weights go)."""
         if hasattr(model, "load_weights"):
@@ -136,7 +139,7 @@ class Loader:
         """Install weights: ``model.load_weights(weights)`` when the model has it, else copy into
         ``named_parameters()``/``named_buffers()`` by name."""
         if hasattr(model, "load_weights"):
-            result = model.load_weights(weights)
+            result = model.load_weights(weights)  # type: ignore[operator]
             names = set(result) if isinstance(result, (set, frozenset)) else set()
             return Installed(names)
         return self._builtin(model, weights)
@@ -151,7 +154,9 @@ class Loader:
                     done.unexpected.append(name)
                     continue
                 if tuple(t.shape) != tuple(target.shape):
-                    raise LoadError(f"shape {list(t.shape)} in the checkpoint, {list(target.shape)} in the model", tensor=name)
+                    raise LoadError(
+                        f"shape {list(t.shape)} in the checkpoint, {list(target.shape)} in the model", tensor=name
+                    )
                 if t.data_ptr() != target.data_ptr() or t.dtype != target.dtype:  # else read in place
                     target.copy_(t, non_blocking=True)
                 done.names.add(name)
@@ -169,7 +174,9 @@ class Loader:
                 with device_loading_context(module, device):
                     method.process_weights_after_loading(module)
 
-    def load_weights_and_postprocess(self, model: nn.Module, weights: Iterable[Pair], device: torch.device) -> Installed:
+    def load_weights_and_postprocess(
+        self, model: nn.Module, weights: Iterable[Pair], device: torch.device
+    ) -> Installed:
         """Both phases, through ``self`` so that an override of either is honoured. Every weight
         is in (and, on a GPU, every copy complete) before any post-processing starts."""
         t0 = time.perf_counter()
@@ -208,7 +215,7 @@ def _device(model: nn.Module, device: str | torch.device | None) -> torch.device
 
 async def load(
     model: nn.Module,
-    source: "str | os.PathLike[str] | Checkpoint",
+    source: str | os.PathLike[str] | Checkpoint,
     *,
     device: str | torch.device | None = None,
     stages: Iterable[Stage] | Stage = (),
@@ -232,12 +239,19 @@ async def load(
     t0 = time.perf_counter()
     loader = loader or Loader(strict=strict, after_load=after_load, after_postprocess=after_postprocess)
     dev = _device(model, device)
-    cuda = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    cuda = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # type: ignore[no-untyped-call]
     ts = TensorStream(
-        source, stages=stages, max_inflight_bytes=max_inflight_bytes, concurrency=concurrency,
-        chunk_bytes=chunk_bytes, progress=progress, options=options,
-        destinations=loader.destinations(model, dev), pin=cuda is not None,
-        release_event=(lambda: torch.cuda.Event().record(cuda)) if cuda is not None else None, t0=t0,
+        source,
+        stages=stages,
+        max_inflight_bytes=max_inflight_bytes,
+        concurrency=concurrency,
+        chunk_bytes=chunk_bytes,
+        progress=progress,
+        options=options,
+        destinations=loader.destinations(model, dev),
+        pin=cuda is not None,
+        release_event=(lambda: _recorded_event(cuda)) if cuda is not None else None,
+        t0=t0,
     )
     try:
         async with ts:
@@ -250,7 +264,9 @@ async def load(
         raise
     stats = ts.stats
     if strict and not bridge.exhausted:
-        raise LoadError(f"the loader returned after {bridge.delivered} of {stats.tensors} tensors delivered and left the rest unread")
+        raise LoadError(
+            f"the loader returned after {bridge.delivered} of {stats.tensors} tensors delivered and left the rest unread"
+        )
     if strict and done.names and hasattr(model, "load_weights"):
         left = [n for n, _ in model.named_parameters() if n not in done.names]
         if left:
@@ -258,13 +274,30 @@ async def load(
             raise LoadError(_describe_mismatch(left, []))
     seconds = time.perf_counter() - t0
     return LoadReport(
-        tensors=stats.tensors, bytes=stats.bytes, bytes_read=stats.bytes_read, seconds=seconds,
-        gbps=stats.bytes / seconds / 1e9 if seconds > 0 else 0.0, ttft_s=stats.ttft_s,
-        peak_inflight_bytes=stats.peak_inflight_bytes, budget_wait_s=stats.budget_wait_s,
-        overdraft_bytes=stats.overdraft_bytes, direct_bytes=stats.direct_bytes,
-        load_s=done.load_s, postprocess_s=done.postprocess_s, installed=len(done.names),
-        missing=done.missing, unexpected=done.unexpected,
+        tensors=stats.tensors,
+        bytes=stats.bytes,
+        bytes_read=stats.bytes_read,
+        seconds=seconds,
+        gbps=stats.bytes / seconds / 1e9 if seconds > 0 else 0.0,
+        ttft_s=stats.ttft_s,
+        peak_inflight_bytes=stats.peak_inflight_bytes,
+        budget_wait_s=stats.budget_wait_s,
+        overdraft_bytes=stats.overdraft_bytes,
+        direct_bytes=stats.direct_bytes,
+        load_s=done.load_s,
+        postprocess_s=done.postprocess_s,
+        installed=len(done.names),
+        missing=done.missing,
+        unexpected=done.unexpected,
     )
+
+
+def _recorded_event(stream: Any) -> Any:
+    """An event marking everything enqueued on the load stream so far (the copy that read a
+    buffer included): the buffer is reused only once it has completed."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(stream)
+    return event
 
 
 def _work(loader: Loader, model: nn.Module, bridge: SyncBridge, dev: torch.device, cuda: Any) -> Installed:
@@ -283,13 +316,15 @@ def _work(loader: Loader, model: nn.Module, bridge: SyncBridge, dev: torch.devic
         raise
 
 
-async def _supervise(bridge: SyncBridge, pump: "asyncio.Future[None]", work: "asyncio.Future[Installed]", thread: Any) -> Installed:
+async def _supervise(
+    bridge: SyncBridge, pump: asyncio.Future[None], work: asyncio.Future[Installed], thread: Any
+) -> Installed:
     """Wait for the worker; on cancellation or error stop the pipeline and the worker, and raise
     the error that started it (a pipeline error wins over what the loader made of it)."""
     try:
         # The pump may finish first (end of stream, or an error the worker sees on its next
         # pull); the worker may finish first (it stopped pulling). Either way, wait for the worker.
-        await asyncio.wait([work, pump], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([work, pump], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
         if not work.done():
             await asyncio.wait([work])
     except BaseException:
@@ -309,7 +344,7 @@ async def _supervise(bridge: SyncBridge, pump: "asyncio.Future[None]", work: "as
     return work.result()
 
 
-def load_sync(model: nn.Module, source: "str | os.PathLike[str] | Checkpoint", **kwargs: Any) -> LoadReport:
+def load_sync(model: nn.Module, source: str | os.PathLike[str] | Checkpoint, **kwargs: Any) -> LoadReport:
     """``load`` for synchronous code: runs its own event loop (uvloop when installed).
     Refuses to run inside a running event loop: ``await aload.load(...)`` there instead."""
     try:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any
 
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint, _open
 from .plan import DestFn, make_plan
@@ -22,7 +23,7 @@ class TensorStream:
 
     def __init__(
         self,
-        source: "str | os.PathLike[str] | Checkpoint",
+        source: str | os.PathLike[str] | Checkpoint,
         *,
         stages: Iterable[Stage] | Stage = (),
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
@@ -39,8 +40,13 @@ class TensorStream:
         self._source = source
         self._names, self._stages = split_for_plan(stages)
         self._reader_args = dict(
-            max_inflight_bytes=max_inflight_bytes, concurrency=concurrency, chunk_bytes=chunk_bytes,
-            pin=pin, release_event=release_event, progress=progress, t0=t0,
+            max_inflight_bytes=max_inflight_bytes,
+            concurrency=concurrency,
+            chunk_bytes=chunk_bytes,
+            pin=pin,
+            release_event=release_event,
+            progress=progress,
+            t0=t0,
         )
         self._concurrency = concurrency
         self._options = options or {}
@@ -70,7 +76,7 @@ class TensorStream:
             it = stage(it)
             self._chain.append(it)
 
-    def __aiter__(self) -> "TensorStream":
+    def __aiter__(self) -> TensorStream:
         return self
 
     async def __anext__(self) -> Pair:
@@ -99,7 +105,7 @@ class TensorStream:
             if self._owns and self.checkpoint is not None:
                 await self.checkpoint.aclose()
 
-    async def __aenter__(self) -> "TensorStream":
+    async def __aenter__(self) -> TensorStream:
         try:
             await self.start()
         except BaseException:
@@ -114,7 +120,7 @@ class TensorStream:
 
 
 def stream(
-    source: "str | os.PathLike[str] | Checkpoint",
+    source: str | os.PathLike[str] | Checkpoint,
     *,
     stages: Iterable[Stage] | Stage = (),
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
@@ -130,7 +136,11 @@ def stream(
     16 MiB) is the largest single read. Other keyword options go to the source.
     """
     return TensorStream(
-        source, stages=stages, max_inflight_bytes=max_inflight_bytes, concurrency=concurrency,
-        chunk_bytes=chunk_bytes, progress=progress, options=options,
+        source,
+        stages=stages,
+        max_inflight_bytes=max_inflight_bytes,
+        concurrency=concurrency,
+        chunk_bytes=chunk_bytes,
+        progress=progress,
+        options=options,
     )
-

@@ -8,8 +8,8 @@ as several chunks in parallel. A tensor whose destination is known is read strai
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 
@@ -53,9 +53,7 @@ class Plan:
     nbytes: int
 
 
-def make_plan(
-    ckpt: Checkpoint, names: NameFn | None, dest: DestFn | None, chunk_bytes: int
-) -> Plan:
+def make_plan(ckpt: Checkpoint, names: NameFn | None, dest: DestFn | None, chunk_bytes: int) -> Plan:
     units: list[Unit] = []
     tensors = nbytes = 0
     group: Unit | None = None

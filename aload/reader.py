@@ -19,8 +19,9 @@ import asyncio
 import bisect
 import time
 import weakref
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -106,7 +107,7 @@ def _host_array(n: int, pin: bool) -> np.ndarray[Any, Any]:
 class Lease:
     """A region of host memory holding one unit; released when its last view dies."""
 
-    __slots__ = ("start", "nbytes", "tensor", "__weakref__")
+    __slots__ = ("__weakref__", "nbytes", "start", "tensor")
 
     def __init__(self, start: int | None, nbytes: int, view: np.ndarray[Any, Any]) -> None:
         self.start = start  # None: outside the arena
@@ -115,7 +116,7 @@ class Lease:
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _tensor(base: torch.Tensor | None, item: Item) -> torch.Tensor:
@@ -299,7 +300,9 @@ class Reader:
         s.tensors += 1
         s.bytes += item.spec.nbytes
         if self._progress is not None:
-            self._progress(Progress(s.tensors, self.plan.tensors, s.bytes, self.plan.nbytes, time.perf_counter() - self._t0))
+            self._progress(
+                Progress(s.tensors, self.plan.tensors, s.bytes, self.plan.nbytes, time.perf_counter() - self._t0)
+            )
         return t
 
     async def aclose(self) -> None:
@@ -316,4 +319,6 @@ class Reader:
 def _check_positive(**values: int) -> None:
     for key, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise UsageError(f"{key} must be a positive integer number of {'bytes' if 'bytes' in key else 'requests'}, got {value!r}")
+            raise UsageError(
+                f"{key} must be a positive integer number of {'bytes' if 'bytes' in key else 'requests'}, got {value!r}"
+            )

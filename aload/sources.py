@@ -13,7 +13,8 @@ import concurrent.futures
 import importlib
 import os
 from abc import ABC, abstractmethod
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
 
 import aiofiles
@@ -137,9 +138,7 @@ def _pread_into(fd: int, buf: memoryview, offset: int, url: str) -> None:
         except OSError as exc:
             raise SourceError(f"read failed: {exc.strerror}", url=url, byte_range=(offset, offset + total)) from exc
         if n == 0:
-            raise SourceError(
-                f"file ended at byte {offset + done}", url=url, byte_range=(offset, offset + total)
-            )
+            raise SourceError(f"file ended at byte {offset + done}", url=url, byte_range=(offset, offset + total))
         done += n
 
 
@@ -200,9 +199,7 @@ class LocalStore(Store):
         return self._sources[path]
 
     async def list(self, suffix: str) -> list[str]:
-        return sorted(
-            e.name for e in os.scandir(self.url) if e.name.endswith(suffix) and e.is_file()
-        )
+        return sorted(e.name for e in os.scandir(self.url) if e.name.endswith(suffix) and e.is_file())
 
     async def get(self, name: str, limit: int) -> bytes | None:
         path = os.path.join(self.url, name)
@@ -222,4 +219,3 @@ class LocalStore(Store):
         finally:
             for src in self._sources.values():
                 src.close()
-

@@ -11,7 +11,8 @@ Recipes for what the engines do today sit at the bottom, each a few lines on the
 from __future__ import annotations
 
 import re
-from typing import AsyncIterator, Callable, Iterable, Sequence, Union
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Union
 
 import torch
 
@@ -29,7 +30,7 @@ class Stage:
     def __call__(self, items: AsyncIterator[Pair]) -> AsyncIterator[Pair]:
         raise NotImplementedError
 
-    def __or__(self, other: "Stage") -> "Stage":
+    def __or__(self, other: Stage) -> Stage:
         return Chain((self, other))
 
 
@@ -53,12 +54,12 @@ class NameStage(Stage):
         self.name_fn = fn
         self._label = label
 
-    async def __call__(self, items: AsyncIterator[Pair]) -> AsyncIterator[Pair]:  # type: ignore[override]
+    async def __call__(self, items: AsyncIterator[Pair]) -> AsyncIterator[Pair]:
         fn = self.name_fn
         assert fn is not None
         async for name, tensor in items:
             new = _guarded(self, name, fn, name)
-            if new is not None:
+            if isinstance(new, str):
                 yield new, tensor
 
     def __repr__(self) -> str:
@@ -72,13 +73,14 @@ class MapStage(Stage):
         self._fn = fn
         self._match = _predicate(match) if match is not None else None
 
-    async def __call__(self, items: AsyncIterator[Pair]) -> AsyncIterator[Pair]:  # type: ignore[override]
+    async def __call__(self, items: AsyncIterator[Pair]) -> AsyncIterator[Pair]:
         async for name, tensor in items:
             if self._match is None or self._match(name):
                 out = _guarded(self, name, self._fn, name, tensor)
                 del tensor  # the input's buffer may be released as soon as fn is done with it
                 if out is None:
                     continue
+                assert isinstance(out, torch.Tensor), f"map function returned {type(out).__name__}, not a tensor"
                 tensor = out
             yield name, tensor
 
@@ -86,7 +88,7 @@ class MapStage(Stage):
         return f"map({getattr(self._fn, '__name__', self._fn)!s})"
 
 
-def _guarded(stage: Stage, name: str, fn: Callable[..., object], *args: object) -> object:  # type: ignore[no-untyped-def]
+def _guarded(stage: Stage, name: str, fn: Callable[..., object], *args: object) -> object:
     try:
         return fn(*args)
     except Exception as exc:
@@ -168,7 +170,7 @@ def rename(
     table = [(rule, replacement)] if isinstance(rule, str) else list(rule)
     if any(not isinstance(p, str) or not isinstance(r, str) for p, r in table):
         raise UsageError("rename takes a function, (pattern, replacement), or a list of such pairs")
-    compiled = [(re.compile(p), r) for p, r in table]
+    compiled = [(re.compile(p), str(r)) for p, r in table]
 
     def sub(name: str) -> str:
         for rx, repl in compiled:
@@ -178,9 +180,7 @@ def rename(
     return NameStage(sub, f"rename({table!r})")
 
 
-def map(  # noqa: A001 - the stage vocabulary is keep/drop/rename/map
-    fn: Callable[[str, torch.Tensor], torch.Tensor | None], *, match: Pattern | None = None
-) -> Stage:
+def map(fn: Callable[[str, torch.Tensor], torch.Tensor | None], *, match: Pattern | None = None) -> Stage:
     """Transform each tensor: ``fn(name, tensor)`` returns a tensor, or None to drop it.
     With ``match``, only matching names go through ``fn``; the rest pass unchanged."""
     return MapStage(fn, match)
@@ -210,9 +210,7 @@ def weight_scale_inv() -> Stage:
     return rename(r"\.weight_scale$", ".weight_scale_inv")
 
 
-def select_experts(
-    experts: Iterable[int], *, pattern: str = r"\.experts\.(\d+)\.", renumber: bool = True
-) -> Stage:
+def select_experts(experts: Iterable[int], *, pattern: str = r"\.experts\.(\d+)\.", renumber: bool = True) -> Stage:
     """Expert parallelism: keep only this rank's experts (others are never read), numbered
     from 0 in the order given when ``renumber``. Names without an expert index pass unchanged."""
     local = {e: i for i, e in enumerate(experts)}
@@ -254,9 +252,7 @@ def tensor_parallel(
     return map(shard)
 
 
-def permute_qk_for_rotary(
-    *, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int
-) -> Stage:
+def permute_qk_for_rotary(*, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> Stage:
     """Permute Q/K projection rows from interleaved to half-split rotary layout (vLLM's Llama-4
     ``permute_qk_weight_for_rotary``): per head, rows (i, pair) become (pair, i)."""
 

@@ -142,7 +142,9 @@ def run_one(loader: str, folder: Path) -> dict[str, Any]:
             ttft = first[0] - t0 if first else None
         lags.sort()
         return {
-            "seconds": seconds, "ttft_s": ttft, "cpu_s": cpu,
+            "seconds": seconds,
+            "ttft_s": ttft,
+            "cpu_s": cpu,
             "loop_lag_p50_ms": lags[len(lags) // 2] * 1e3 if lags else None,
             "loop_lag_p99_ms": lags[min(len(lags) - 1, int(len(lags) * 0.99))] * 1e3 if lags else None,
         }
@@ -156,8 +158,13 @@ def run_one(loader: str, folder: Path) -> dict[str, Any]:
     with so(str(shards(folder)[-1]), "pt") as f:
         k = list(f.keys())[-1]
         assert torch.equal(params[k], f.get_tensor(k)), k
-    return {"loader": loader, "bytes": total, "gbps": total / row["seconds"] / 1e9,
-            "peak_anon_delta_bytes": peak[0] - base, **row}
+    return {
+        "loader": loader,
+        "bytes": total,
+        "gbps": total / row["seconds"] / 1e9,
+        "peak_anon_delta_bytes": peak[0] - base,
+        **row,
+    }
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -206,30 +213,40 @@ def main() -> None:
                     drop_cache(folder)
                 else:
                     dd_gbps(folder)  # warm the cache
-                out = subprocess.run([sys.executable, __file__, "--run", loader, "--ckpt", str(folder)],
-                                     capture_output=True, text=True, check=True)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--run", loader, "--ckpt", str(folder)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 row.update(scenario=scenario, source="file", rep=rep)
                 rows.append(row)
                 print(f"  {scenario} rep {rep} {loader:>10}: {row['gbps']:.2f} GB/s", flush=True)
     print()
-    print("| scenario | loader | GB/s | seconds | ttft ms | peak anon delta MiB | loop lag p50 ms | loop lag p99 ms | cpu s |")
+    print(
+        "| scenario | loader | GB/s | seconds | ttft ms | peak anon delta MiB | loop lag p50 ms | loop lag p99 ms | cpu s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     best: dict[str, dict[str, float]] = {}
     for scenario in a.scenarios.split(","):
         for loader in LOADERS:
             rs = [r for r in rows if r["scenario"] == scenario and r["loader"] == loader]
             best.setdefault(scenario, {})[loader] = statistics.median(r["gbps"] for r in rs)
-            print(f"| {scenario} | {loader} | {fmt([r['gbps'] for r in rs])} | {fmt([r['seconds'] for r in rs])} | "
-                  f"{fmt([r['ttft_s'] for r in rs], scale=1e3, digits=1)} | "
-                  f"{fmt([r['peak_anon_delta_bytes'] for r in rs], scale=2**-20, digits=0)} | "
-                  f"{fmt([r['loop_lag_p50_ms'] for r in rs])} | {fmt([r['loop_lag_p99_ms'] for r in rs])} | "
-                  f"{fmt([r['cpu_s'] for r in rs])} |")
+            print(
+                f"| {scenario} | {loader} | {fmt([r['gbps'] for r in rs])} | {fmt([r['seconds'] for r in rs])} | "
+                f"{fmt([r['ttft_s'] for r in rs], scale=1e3, digits=1)} | "
+                f"{fmt([r['peak_anon_delta_bytes'] for r in rs], scale=2**-20, digits=0)} | "
+                f"{fmt([r['loop_lag_p50_ms'] for r in rs])} | {fmt([r['loop_lag_p99_ms'] for r in rs])} | "
+                f"{fmt([r['cpu_s'] for r in rs])} |"
+            )
     print()
     for scenario, by in best.items():
         peer = max(v for k, v in by.items() if k != "aload")
-        print(f"{scenario}: aload / fastest peer = {by['aload'] / peer:.2f}x" +
-              (f"; aload / dd = {by['aload'] / dd:.2f}x" if scenario == "warm" else ""))
+        print(
+            f"{scenario}: aload / fastest peer = {by['aload'] / peer:.2f}x"
+            + (f"; aload / dd = {by['aload'] / dd:.2f}x" if scenario == "warm" else "")
+        )
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text("\n".join(json.dumps(r) for r in rows) + "\n")

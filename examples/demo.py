@@ -26,11 +26,15 @@ def llama_shapes(hidden: int, inter: int, vocab: int, layers: int) -> dict[str, 
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes |= {
-            p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (hidden // 4, hidden),
-            p + "self_attn.v_proj.weight": (hidden // 4, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (hidden // 4, hidden),
+            p + "self_attn.v_proj.weight": (hidden // 4, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter),
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
         }
     shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
     return shapes
@@ -92,8 +96,10 @@ async def main(size_mib: int, budget_mib: int) -> None:
         tick.cancel()
         print(report.summary())
         lag = sorted(ticks)
-        print(f"event loop lateness while loading: p50 {lag[len(lag) // 2] * 1e3:.2f} ms, "
-              f"p99 {lag[int(len(lag) * 0.99)] * 1e3:.2f} ms over {len(lag)} ticks")
+        print(
+            f"event loop lateness while loading: p50 {lag[len(lag) // 2] * 1e3:.2f} ms, "
+            f"p99 {lag[int(len(lag) * 0.99)] * 1e3:.2f} ms over {len(lag)} ticks"
+        )
 
         print("\nchecking every tensor against safetensors.load_file ...")
         state = model.state_dict()
@@ -115,10 +121,16 @@ async def main(size_mib: int, budget_mib: int) -> None:
                 return set()
 
         eng = Engine()
-        r2 = await aload.load(eng, folder, stages=aload.stages.keep(r"layers\.0\.") | aload.stages.rename(r"^model\.", ""),
-                              max_inflight_bytes=budget_mib << 20)
-        print(f"layer 0 only: {r2.tensors} tensors, {r2.bytes_read / 1e6:.1f} MB read of "
-              f"{report.bytes / 1e6:.1f} MB (the rest was never read); peak in flight {r2.peak_inflight_bytes / 2**20:.1f} MiB")
+        r2 = await aload.load(
+            eng,
+            folder,
+            stages=aload.stages.keep(r"layers\.0\.") | aload.stages.rename(r"^model\.", ""),
+            max_inflight_bytes=budget_mib << 20,
+        )
+        print(
+            f"layer 0 only: {r2.tensors} tensors, {r2.bytes_read / 1e6:.1f} MB read of "
+            f"{report.bytes / 1e6:.1f} MB (the rest was never read); peak in flight {r2.peak_inflight_bytes / 2**20:.1f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ class LoopWatchdog:
             await asyncio.sleep(0.002)
             self.worst = max(self.worst, time.perf_counter() - t - 0.002)
 
-    async def __aenter__(self) -> "LoopWatchdog":
+    async def __aenter__(self) -> LoopWatchdog:
         self._task = asyncio.ensure_future(self._tick())
         await asyncio.sleep(0)
         return self
@@ -74,23 +75,28 @@ def no_leaks() -> Iterator[None]:
     while True:
         threads = [t.name for t in threading.enumerate() if t.name.startswith("aload")]
         fds = _open_checkpoint_fds() - before
-        if not threads and not fds or time.monotonic() > deadline:
+        if (not threads and not fds) or time.monotonic() > deadline:
             break
         time.sleep(0.01)
     assert not threads, f"threads left behind: {threads}"
     assert not fds, f"files left open: {fds}"
 
 
-def llama_like(n_layers: int = 2, hidden: int = 64, vocab: int = 128, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def llama_like(
+    n_layers: int = 2, hidden: int = 64, vocab: int = 128, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Llama-shaped names and sizes: big matrices and small norms."""
     g = torch.Generator().manual_seed(0)
     out = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g).to(dtype)}
     for i in range(n_layers):
         p = f"model.layers.{i}."
         for proj, shape in {
-            "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (hidden // 2, hidden),
-            "self_attn.v_proj": (hidden // 2, hidden), "self_attn.o_proj": (hidden, hidden),
-            "mlp.gate_proj": (2 * hidden, hidden), "mlp.up_proj": (2 * hidden, hidden),
+            "self_attn.q_proj": (hidden, hidden),
+            "self_attn.k_proj": (hidden // 2, hidden),
+            "self_attn.v_proj": (hidden // 2, hidden),
+            "self_attn.o_proj": (hidden, hidden),
+            "mlp.gate_proj": (2 * hidden, hidden),
+            "mlp.up_proj": (2 * hidden, hidden),
             "mlp.down_proj": (hidden, 2 * hidden),
         }.items():
             out[p + proj + ".weight"] = torch.randn(*shape, generator=g).to(dtype)
@@ -105,7 +111,9 @@ def llama_like(n_layers: int = 2, hidden: int = 64, vocab: int = 128, dtype: tor
 def write(tmp_path: Path) -> Callable[..., Path]:
     """write(tensors, name="model.safetensors", metadata=None) -> path, via safetensors."""
 
-    def _write(tensors: dict[str, torch.Tensor], name: str = "model.safetensors", metadata: dict[str, str] | None = None) -> Path:
+    def _write(
+        tensors: dict[str, torch.Tensor], name: str = "model.safetensors", metadata: dict[str, str] | None = None
+    ) -> Path:
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata=metadata)
@@ -131,7 +139,9 @@ def sharded(tmp_path: Path) -> Callable[..., Path]:
             weight_map.update({name: fname for name in part})
         if index:
             (folder / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map})
+                json.dumps(
+                    {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+                )
             )
         return folder
 

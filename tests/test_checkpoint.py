@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -58,7 +58,9 @@ def _rewrite_index(folder: Path, fn: Callable[[dict[str, str]], None]) -> None:
     idx.write_text(json.dumps(obj))
 
 
-@pytest.mark.parametrize("bad", ["../outside.safetensors", "/etc/passwd", "http://x/y.safetensors", "a/../../b.safetensors"])
+@pytest.mark.parametrize(
+    "bad", ["../outside.safetensors", "/etc/passwd", "http://x/y.safetensors", "a/../../b.safetensors"]
+)
 async def test_index_naming_files_outside_is_refused(sharded: Callable[..., Path], bad: str) -> None:
     folder = sharded(llama_like(), 2)
     _rewrite_index(folder, lambda wm: wm.__setitem__("model.norm.weight", bad))
@@ -71,7 +73,11 @@ async def test_tensor_found_in_another_shard_than_index_says(sharded: Callable[.
     folder = sharded(llama_like(), 2)
 
     def swap(wm: dict[str, str]) -> None:
-        wm["model.norm.weight"] = "model-00001-of-00002.safetensors" if wm["model.norm.weight"].startswith("model-00002") else "model-00002-of-00002.safetensors"
+        wm["model.norm.weight"] = (
+            "model-00001-of-00002.safetensors"
+            if wm["model.norm.weight"].startswith("model-00002")
+            else "model-00002-of-00002.safetensors"
+        )
 
     _rewrite_index(folder, swap)
     with pytest.raises(aload.CheckpointError, match="index places it") as info:
@@ -97,7 +103,7 @@ async def test_tensor_in_two_shards_is_refused(write: Callable[..., Path]) -> No
 async def test_missing_path_and_empty_folder(tmp_path: Path) -> None:
     with pytest.raises(aload.SourceError, match="no such file"):
         await aload.open(tmp_path / "nope")
-    with pytest.raises(aload.CheckpointError, match="no .safetensors"):
+    with pytest.raises(aload.CheckpointError, match=r"no \.safetensors"):
         await aload.open(tmp_path)
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from aload.format import DTYPES
 from .conftest import collect
 
 SAMPLES: dict[str, torch.Tensor] = {}
-for i, (code, dtype) in enumerate(DTYPES.items()):
+for code, dtype in DTYPES.items():
     base = torch.arange(-7, 17, dtype=torch.float64).reshape(2, 3, 4)
     if dtype == torch.bool:
         SAMPLES[code] = base > 0
@@ -61,7 +62,11 @@ def raw_file(path: Path, header: Any, data: bytes = b"", *, length: int | None =
 
 
 def entry(dtype: str = "F32", shape: list[int] | None = None, offsets: list[int] | None = None) -> dict[str, Any]:
-    return {"dtype": dtype, "shape": [2] if shape is None else shape, "data_offsets": [0, 8] if offsets is None else offsets}
+    return {
+        "dtype": dtype,
+        "shape": [2] if shape is None else shape,
+        "data_offsets": [0, 8] if offsets is None else offsets,
+    }
 
 
 BAD: dict[str, tuple[Any, bytes, dict[str, Any]]] = {
@@ -70,7 +75,11 @@ BAD: dict[str, tuple[Any, bytes, dict[str, Any]]] = {
     "not json": (b"{not json", b"", {}),
     "not utf-8": (b'{"\xff": 1}', b"", {}),
     "json array": ([1, 2], b"", {}),
-    "duplicate key": (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', b"\0" * 8, {}),
+    "duplicate key": (
+        b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
+        b"\0" * 8,
+        {},
+    ),
     "unknown dtype": ({"a": entry(dtype="F128")}, b"\0" * 8, {}),
     "4-bit dtype": ({"a": entry(dtype="F4")}, b"\0" * 8, {}),
     "negative dim": ({"a": entry(shape=[-2], offsets=[0, 8])}, b"\0" * 8, {}),

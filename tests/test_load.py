@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import pytest
 import torch
@@ -22,8 +23,14 @@ def tiny_llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval(), cfg
@@ -146,11 +153,18 @@ async def test_phases_in_order_with_hooks(write: Callable[..., Path]) -> None:
     path = write({"w": torch.arange(4.0), "other": torch.ones(2)})
     log: list[str] = []
     report = await aload.load(
-        Recorder(log), path,
-        after_load=[lambda m: log.append("after_load")], after_postprocess=[lambda m: log.append("after_post")],
+        Recorder(log),
+        path,
+        after_load=[lambda m: log.append("after_load")],
+        after_postprocess=[lambda m: log.append("after_post")],
     )
     assert log == ["load other", "load w", "after_load", "postprocess", "after_post"] or log == [
-        "load w", "load other", "after_load", "postprocess", "after_post"]
+        "load w",
+        "load other",
+        "after_load",
+        "postprocess",
+        "after_post",
+    ]
     assert report.installed == 1
 
 

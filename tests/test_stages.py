@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import AsyncIterator, Callable
 
 import pytest
 import torch
@@ -74,7 +74,12 @@ async def test_weight_scale_inv_and_select_experts(write: Callable[..., Path]) -
     tensors["attn.weight_scale"] = torch.ones(1)
     path = write(tensors)
     got = await collect(aload.stream(path, stages=S.select_experts([3, 5]) | S.weight_scale_inv()))
-    assert sorted(got) == ["attn.weight_scale_inv", "mlp.experts.0.w", "mlp.experts.0.weight_scale_inv", "mlp.experts.1.w"]
+    assert sorted(got) == [
+        "attn.weight_scale_inv",
+        "mlp.experts.0.w",
+        "mlp.experts.0.weight_scale_inv",
+        "mlp.experts.1.w",
+    ]
     assert torch.equal(got["mlp.experts.1.w"], torch.full((2,), 5.0))
 
 
