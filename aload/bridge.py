@@ -31,6 +31,7 @@ class SyncBridge(Iterator[Pair]):
         self._cond = threading.Condition()
         self._room = asyncio.Event()
         self._pump_waiting = False
+        self._consumer_waiting = False
         self._done = False
         self._closed = False
         self.error: BaseException | None = None
@@ -41,7 +42,8 @@ class SyncBridge(Iterator[Pair]):
     async def pump(self) -> None:
         reader = self._stream.reader
         if reader is not None:
-            reader.auto_starving = False
+            # Waiting, and nothing in the deque it has not woken up to take yet.
+            reader.starving = lambda: self._consumer_waiting and not self._items
         try:
             async for pair in self._stream:
                 while not self._closed:
@@ -74,21 +76,19 @@ class SyncBridge(Iterator[Pair]):
         except RuntimeError:
             pass
 
-    def _set_starving(self, value: bool) -> None:
+    def _poke(self) -> None:
         reader = self._stream.reader
         if reader is not None:
-            self._call(reader.set_starving, value)
+            self._call(reader.poke)
 
     def __next__(self) -> Pair:
         with self._cond:
-            starving = False
             while not self._items and not self._done and not self._closed:
-                if not starving:
-                    starving = True
-                    self._set_starving(True)
+                if not self._consumer_waiting:
+                    self._consumer_waiting = True  # read by the reader on the loop thread
+                    self._poke()
                 self._cond.wait()
-            if starving:
-                self._set_starving(False)
+            self._consumer_waiting = False
             if self._closed:
                 raise LoadCancelled()
             if not self._items:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,9 +50,9 @@ ITEMSIZE: dict[str, int] = {name: size for name, _, size in _DTYPE_TABLE if name
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """Where one tensor lives: its shard, dtype, shape and absolute byte range in the file."""
+class TensorSpec(NamedTuple):
+    """Where one tensor lives: its shard, dtype, shape and absolute byte range in the file.
+    (A NamedTuple: checkpoints hold tens of thousands of these, built while parsing headers.)"""
 
     name: str
     dtype: str
@@ -116,22 +116,37 @@ def parse_header(raw: bytes, file_size: int, url: str) -> Header:
 
 def _load_json(raw: bytes, url: str) -> dict[str, Any]:
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise HeaderError("header names a key twice", url=url, tensor=key)
-            out[key] = value
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            seen: set[str] = set()
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise HeaderError("header names a key twice", url=url, tensor=dup)
         return out
 
     try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+        text = raw.decode("utf-8")
+        obj = json.loads(text)  # the C decoder, fast; duplicates are checked below
+        if _may_hide_duplicates(raw, obj):
+            obj = json.loads(text, object_pairs_hook=no_duplicates)  # slow and exact
+    except HeaderError:
+        raise
     except (UnicodeDecodeError, ValueError) as exc:
-        if isinstance(exc, HeaderError):
-            raise
         raise HeaderError(f"header is not valid UTF-8 JSON: {exc}", url=url, byte_range=(8, 8 + len(raw))) from exc
     if not isinstance(obj, dict):
         raise HeaderError(f"header is a JSON {type(obj).__name__}, not an object", url=url)
     return obj
+
+
+def _may_hide_duplicates(raw: bytes, obj: Any) -> bool:
+    """True unless the plain parse provably saw every key: each entry has exactly one "dtype",
+    "shape" and "data_offsets", so with no escapes in the text, equal counts of those quoted
+    keys and of entries mean no key was given twice. Anything else takes the exact path."""
+    if not isinstance(obj, dict) or b"\\" in raw:
+        return True
+    n = len(obj) - ("__metadata__" in obj)
+    return any(raw.count(key) != n for key in (b'"dtype"', b'"shape"', b'"data_offsets"')) or (
+        "__metadata__" in obj and raw.count(b'"__metadata__"') != 1
+    )
 
 
 def _metadata(value: Any, url: str) -> dict[str, str]:
@@ -143,36 +158,37 @@ def _metadata(value: Any, url: str) -> dict[str, str]:
 
 
 def _spec(name: str, entry: Any, url: str, data_start: int) -> TensorSpec:
-    def bad(why: str) -> HeaderError:
-        return HeaderError(why, url=url, tensor=name)
-
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise bad("entry must be an object with exactly dtype, shape and data_offsets")
-    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise bad(f"unsupported dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-        raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o) for o in offsets):
-        raise bad(f"data_offsets must be two non-negative integers, got {offsets!r}")
-    begin, end = offsets
-    nbytes = ITEMSIZE[dtype]
+    # Written for speed as well as strictness: a header can hold tens of thousands of entries.
+    # `type(x) is int` refuses bools and floats alike.
+    try:
+        if type(entry) is not dict or len(entry) != 3:
+            raise KeyError
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    except KeyError:
+        raise HeaderError(
+            "entry must be an object with exactly dtype, shape and data_offsets", url=url, tensor=name
+        ) from None
+    size = ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if size is None:
+        raise HeaderError(f"unsupported dtype {dtype!r}", url=url, tensor=name)
+    if type(shape) is not list:
+        raise HeaderError(f"shape must be a list of non-negative integers, got {shape!r}", url=url, tensor=name)
+    nbytes = size
     for dim in shape:
+        if type(dim) is not int or dim < 0:
+            raise HeaderError(f"shape must be a list of non-negative integers, got {shape!r}", url=url, tensor=name)
         nbytes *= dim
         if nbytes > _MAX_NBYTES:
-            raise bad(f"shape {shape} of {dtype} overflows")
-    if end < begin or end - begin != nbytes:
+            raise HeaderError(f"shape {shape} of {dtype} overflows", url=url, tensor=name)
+    if type(offsets) is not list or len(offsets) != 2 or not (type(offsets[0]) is int and type(offsets[1]) is int):
+        raise HeaderError(f"data_offsets must be two non-negative integers, got {offsets!r}", url=url, tensor=name)
+    begin, end = offsets
+    if begin < 0 or end < begin or end - begin != nbytes:
         raise HeaderError(
             f"data_offsets span {end - begin} bytes but {dtype}{shape} needs {nbytes}",
-            url=url,
-            tensor=name,
-            byte_range=(data_start + begin, data_start + end),
+            url=url, tensor=name, byte_range=(data_start + begin, data_start + end),
         )
     return TensorSpec(name, dtype, tuple(shape), url, data_start + begin, data_start + end)
-
-
-def _is_uint(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_tiling(specs: list[TensorSpec], file_size: int, data_start: int, url: str) -> None:

@@ -68,7 +68,9 @@ class TensorStream:
             return
         if self.checkpoint is None:
             self.checkpoint = await _open(os.fspath(self._source), concurrency=self._concurrency, **self._options)  # type: ignore[arg-type]
-        plan = make_plan(self.checkpoint, self._names, self._dest, self._reader_args["chunk_bytes"])  # type: ignore[arg-type]
+        # Coalesced units stay well under the budget, so several are in flight at once.
+        group = min(self._reader_args["chunk_bytes"], max(1, self._reader_args["max_inflight_bytes"] // 4))
+        plan = make_plan(self.checkpoint, self._names, self._dest, group)  # type: ignore[arg-type]
         self.reader = Reader(plan, **self._reader_args)  # type: ignore[arg-type]
         it: AsyncIterator[Pair] = self.reader.items()
         self._chain = [it]

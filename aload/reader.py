@@ -69,6 +69,7 @@ class Arena:
         self.used = 0
         self._pin = pin
         self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (start, end)
+        self._cursor = 0
         self._array: np.ndarray[Any, Any] | None = None
 
     def array(self) -> np.ndarray[Any, Any]:
@@ -77,11 +78,24 @@ class Arena:
         return self._array
 
     def alloc(self, n: int) -> int | None:
+        """Next fit: search from where the last region ended, wrapping once. Units are mostly
+        released in the order they were allocated, so the arena behaves as a ring and does not
+        fragment the way first fit does (first fit refills holes between live regions)."""
         size = -(-n // _ALIGN) * _ALIGN
-        for i, (start, end) in enumerate(self._free):
+        k = len(self._free)
+        first = bisect.bisect(self._free, (self._cursor, self._cursor))
+        first = first - 1 if first and self._free[first - 1][1] > self._cursor else first
+        for j in range(k + 1):  # the last try revisits the first interval from its start (the wrap)
+            i = (first + j) % k if k else 0
+            if not k:
+                break
+            start, end = self._free[i]
+            start = max(start, self._cursor) if j == 0 and start < self._cursor < end else start
             if end - start >= size:
-                self._free[i : i + 1] = [(start + size, end)] if end - start > size else []
+                pieces = [(a, b) for a, b in ((self._free[i][0], start), (start + size, end)) if b > a]
+                self._free[i : i + 1] = pieces
                 self.used += size
+                self._cursor = start + size
                 return start
         return None
 
@@ -144,7 +158,9 @@ class Reader:
         _check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency, chunk_bytes=chunk_bytes)
         self.plan = plan
         self.stats = ReaderStats()
-        self.auto_starving = True  # plain `async for`: waiting for the next tensor means starving
+        # Whether the final consumer is blocked waiting for a tensor. For plain `async for`,
+        # waiting on the reader is that; a bridge to a thread replaces it with its own probe.
+        self.starving: Callable[[], bool] | None = None
         self._arena = Arena(max_inflight_bytes, pin)
         self._pin = pin
         self._chunk = chunk_bytes
@@ -153,8 +169,7 @@ class Reader:
             maxsize=2 * concurrency
         )
         self._changed = asyncio.Event()
-        self._starving = False
-        self._waiting = False
+        self._pending_get: asyncio.Future[Any] | None = None
         self._outside = 0
         self._release_event = release_event
         self._progress = progress
@@ -164,13 +179,18 @@ class Reader:
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- budget ---------------------------------------------------------------------------
-    def set_starving(self, starving: bool) -> None:
-        """The consumer is (or is no longer) blocked waiting for the next tensor."""
-        self._starving = starving
+    def poke(self) -> None:
+        """Something the budget depends on changed (the consumer started waiting): re-check."""
         self._changed.set()
 
     def _consumer_stuck(self) -> bool:
-        return self._waiting and self._queue.empty() and (self.auto_starving or self._starving)
+        get = self._pending_get  # the consumer's wait for the next unit, while it lasts
+        return (
+            get is not None
+            and not get.done()
+            and self._queue.empty()
+            and (self.starving is None or self.starving())
+        )
 
     async def _acquire(self, n: int) -> Lease:
         waited_from: float | None = None
@@ -279,7 +299,7 @@ class Reader:
 
     async def _next_unit(self) -> tuple[Unit, Lease | None, asyncio.Task[None]] | None:
         get = asyncio.ensure_future(self._queue.get())
-        self._waiting = True
+        self._pending_get = get
         self._changed.set()
         try:
             producer = self._producer
@@ -290,7 +310,7 @@ class Reader:
                 producer.result()  # raises the producer's error
             return get.result()
         finally:
-            self._waiting = False
+            self._pending_get = None
 
     def _deliver(self, unit: Unit, base: torch.Tensor | None, item: Item) -> torch.Tensor:
         t = unit.dest if unit.dest is not None else _tensor(base, item)
