@@ -23,7 +23,7 @@ class LoadCancelled(BaseException):
 
 
 class SyncBridge(Iterator[Pair]):
-    def __init__(self, stream: TensorStream, maxsize: int = 8) -> None:
+    def __init__(self, stream: TensorStream, maxsize: int = 64) -> None:
         self._stream = stream
         self._loop = asyncio.get_running_loop()
         self._max = maxsize
