@@ -134,8 +134,9 @@ def stream(
     """Stream ``(name, tensor)`` pairs from a path, URL or open ``Checkpoint``.
 
     ``max_inflight_bytes`` (default 512 MiB) bounds the bytes read and not yet released by the
-    consumer; ``concurrency`` (default 4) bounds the reads in flight; ``chunk_bytes`` (default
-    16 MiB) is the largest single read. Other keyword options go to the source.
+    consumer; ``concurrency`` (default: one per core, 2 to 8) bounds the reads in flight;
+    ``chunk_bytes`` (default 16 MiB) is the largest single read. Other keyword options go to the
+    source.
     """
     return TensorStream(
         source,

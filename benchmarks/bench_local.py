@@ -25,13 +25,15 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-LOADERS = ("aload", "load_file", "safe_open")
+#: aload: the built-in loader (reads straight into parameters); aload_lw: a vLLM-style
+#: model.load_weights that copy_()s each tensor, so bytes go through aload's budgeted buffers.
+LOADERS = ("aload", "aload_lw", "load_file", "safe_open")
 
 
-def rss_anon() -> int:
+def rss(field: str = "RssAnon") -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -82,13 +84,14 @@ def run_one(loader: str, folder: Path) -> dict[str, Any]:
     model = empty_model(shapes, torch.bfloat16)  # zeros: pages touched before timing
     params = dict(model.named_parameters())
     total = sum(p.nbytes for p in params.values())
-    base = rss_anon()
-    peak = [base]
+    base, base_rss = rss(), rss("VmRSS")
+    peak, peak_rss = [base], [base_rss]
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], rss_anon())
+            peak[0] = max(peak[0], rss())
+            peak_rss[0] = max(peak_rss[0], rss("VmRSS"))
             time.sleep(0.002)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -130,6 +133,16 @@ def run_one(loader: str, folder: Path) -> dict[str, Any]:
         ttft = None
         if loader == "aload":
             report = await aload.load(model, folder)
+            ttft = report.ttft_s
+        elif loader == "aload_lw":
+
+            class Engine(torch.nn.Module):
+                def load_weights(self, weights: Any) -> set[str]:
+                    for name, t in weights:
+                        copy_in(name, t)
+                    return set()
+
+            report = await aload.load(Engine(), folder)
             ttft = report.ttft_s
         elif loader == "load_file":
             await asyncio.to_thread(blocking_load_file)
@@ -225,9 +238,10 @@ def main() -> None:
                 print(f"  {scenario} rep {rep} {loader:>10}: {row['gbps']:.2f} GB/s", flush=True)
     print()
     print(
-        "| scenario | loader | GB/s | seconds | ttft ms | peak anon delta MiB | loop lag p50 ms | loop lag p99 ms | cpu s |"
+        "| scenario | loader | GB/s | seconds | ttft ms | peak anon delta MiB | peak RSS delta MiB "
+        "| loop lag p50 ms | loop lag p99 ms | cpu s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     best: dict[str, dict[str, float]] = {}
     for scenario in a.scenarios.split(","):
         for loader in LOADERS:
@@ -237,12 +251,13 @@ def main() -> None:
                 f"| {scenario} | {loader} | {fmt([r['gbps'] for r in rs])} | {fmt([r['seconds'] for r in rs])} | "
                 f"{fmt([r['ttft_s'] for r in rs], scale=1e3, digits=1)} | "
                 f"{fmt([r['peak_anon_delta_bytes'] for r in rs], scale=2**-20, digits=0)} | "
+                f"{fmt([r['peak_rss_delta_bytes'] for r in rs], scale=2**-20, digits=0)} | "
                 f"{fmt([r['loop_lag_p50_ms'] for r in rs])} | {fmt([r['loop_lag_p99_ms'] for r in rs])} | "
                 f"{fmt([r['cpu_s'] for r in rs])} |"
             )
     print()
     for scenario, by in best.items():
-        peer = max(v for k, v in by.items() if k != "aload")
+        peer = max(v for k, v in by.items() if not k.startswith("aload"))
         print(
             f"{scenario}: aload / fastest peer = {by['aload'] / peer:.2f}x"
             + (f"; aload / dd = {by['aload'] / dd:.2f}x" if scenario == "warm" else "")

@@ -293,3 +293,29 @@ def test_load_sync_from_plain_code(tmp_path: Path) -> None:
     lin = nn.Linear(2, 2)
     report = aload.load_sync(lin, tmp_path / "m.safetensors")
     assert torch.equal(lin.weight, torch.full((2, 2), 3.0)) and report.tensors == 2
+
+
+def test_load_under_uvloop_keeps_the_loop_free(tmp_path: Path) -> None:
+    """The same load under uvloop: the loop stays responsive and the weights arrive."""
+    import uvloop
+    from safetensors.torch import save_file
+
+    from .conftest import LOOP_BLOCK_LIMIT_S, LoopWatchdog
+
+    tensors = llama_like(hidden=256)
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    seen: dict[str, torch.Tensor] = {}
+
+    class Engine(nn.Module):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for name, t in weights:
+                seen[name] = t.clone()
+            return set()
+
+    async def main() -> float:
+        async with LoopWatchdog() as dog:
+            await aload.load(Engine(), tmp_path / "m.safetensors", max_inflight_bytes=256 * 1024)
+        return dog.worst
+
+    assert uvloop.run(main()) < LOOP_BLOCK_LIMIT_S
+    assert seen.keys() == tensors.keys() and all(torch.equal(seen[k], v) for k, v in tensors.items())
