@@ -186,7 +186,9 @@ def _spec(name: str, entry: Any, url: str, data_start: int) -> TensorSpec:
     if begin < 0 or end < begin or end - begin != nbytes:
         raise HeaderError(
             f"data_offsets span {end - begin} bytes but {dtype}{shape} needs {nbytes}",
-            url=url, tensor=name, byte_range=(data_start + begin, data_start + end),
+            url=url,
+            tensor=name,
+            byte_range=(data_start + begin, data_start + end),
         )
     return TensorSpec(name, dtype, tuple(shape), url, data_start + begin, data_start + end)
 

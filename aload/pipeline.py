@@ -39,7 +39,7 @@ class TensorStream:
         _check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency, chunk_bytes=chunk_bytes)
         self._source = source
         self._names, self._stages = split_for_plan(stages)
-        self._reader_args = dict(
+        self._reader_args: dict[str, Any] = dict(
             max_inflight_bytes=max_inflight_bytes,
             concurrency=concurrency,
             chunk_bytes=chunk_bytes,
@@ -49,6 +49,7 @@ class TensorStream:
             t0=t0,
         )
         self._concurrency = concurrency
+        self._chunk_bytes, self._budget = chunk_bytes, max_inflight_bytes
         self._options = options or {}
         # Reading straight into a destination skips tensor stages, so only without them.
         self._dest = destinations if not self._stages else None
@@ -69,9 +70,9 @@ class TensorStream:
         if self.checkpoint is None:
             self.checkpoint = await _open(os.fspath(self._source), concurrency=self._concurrency, **self._options)  # type: ignore[arg-type]
         # Coalesced units stay well under the budget, so several are in flight at once.
-        group = min(self._reader_args["chunk_bytes"], max(1, self._reader_args["max_inflight_bytes"] // 4))
-        plan = make_plan(self.checkpoint, self._names, self._dest, group)  # type: ignore[arg-type]
-        self.reader = Reader(plan, **self._reader_args)  # type: ignore[arg-type]
+        group = min(self._chunk_bytes, max(1, self._budget // 4))
+        plan = make_plan(self.checkpoint, self._names, self._dest, group)
+        self.reader = Reader(plan, **self._reader_args)
         it: AsyncIterator[Pair] = self.reader.items()
         self._chain = [it]
         for stage in self._stages:

@@ -118,13 +118,19 @@ def _host_array(n: int, pin: bool) -> np.ndarray[Any, Any]:
     return np.empty(n, dtype=np.uint8)
 
 
+#: Where a lease's memory comes from.
+ARENA, OUTSIDE, MAPPED = "arena", "outside", "mapped"
+
+
 class Lease:
-    """A region of host memory holding one unit; released when its last view dies."""
+    """Host memory holding one unit: a region of the arena, a fresh allocation, or a view of a
+    mapped file (zero copy; ``populated`` by the read). Released when its last view dies."""
 
-    __slots__ = ("__weakref__", "nbytes", "start", "tensor")
+    __slots__ = ("__weakref__", "kind", "nbytes", "start", "tensor")
 
-    def __init__(self, start: int | None, nbytes: int, view: np.ndarray[Any, Any]) -> None:
-        self.start = start  # None: outside the arena
+    def __init__(self, kind: str, start: int, nbytes: int, view: np.ndarray[Any, Any]) -> None:
+        self.kind = kind
+        self.start = start
         self.nbytes = nbytes
         self.tensor: torch.Tensor | None = torch.from_numpy(view)
 
@@ -199,7 +205,6 @@ class Reader:
         )
         self._changed = asyncio.Event()
         self._pending_get: asyncio.Future[Any] | None = None
-        self._outside = 0
         self._release_event = release_event
         self._progress = progress
         self._loop = asyncio.get_running_loop()
@@ -214,21 +219,16 @@ class Reader:
 
     def _consumer_stuck(self) -> bool:
         get = self._pending_get  # the consumer's wait for the next unit, while it lasts
-        return (
-            get is not None
-            and not get.done()
-            and self._queue.empty()
-            and (self.starving is None or self.starving())
-        )
+        return get is not None and not get.done() and self._queue.empty() and (self.starving is None or self.starving())
 
-    async def _acquire(self, n: int) -> Lease:
+    async def _acquire(self, unit: Unit) -> Lease:
         waited_from: float | None = None
         try:
             while True:
-                lease = self._try_alloc(n)
+                lease = self._try_alloc(unit)
                 if lease is None and self._consumer_stuck():
                     await asyncio.sleep(0)  # let pending releases land first
-                    lease = self._try_alloc(n) or (self._overdraft(n) if self._consumer_stuck() else None)
+                    lease = self._try_alloc(unit) or (self._overdraft(unit) if self._consumer_stuck() else None)
                 if lease is not None:
                     return lease
                 if waited_from is None:
@@ -240,46 +240,49 @@ class Reader:
             if waited_from is not None:
                 self.stats.budget_wait_s += time.perf_counter() - waited_from
 
-    def _try_alloc(self, n: int) -> Lease | None:
-        if n <= self._arena.capacity:
-            start = self._arena.alloc(n)
-            if start is None:
-                return None
-            return self._lease(start, n, self._arena.array()[start : start + n])
-        if self._arena.used == 0 and self._outside == 0:  # larger than the budget: alone
-            return self._outside_lease(n)
-        return None
+    def _mappable(self, unit: Unit) -> bool:
+        # Pinned buffers are what a GPU copies from asynchronously; a mapped file is not pinned.
+        return not self._pin and unit.source.can_map
 
-    def _overdraft(self, n: int) -> Lease:
-        self.stats.overdraft_bytes += n
-        return self._outside_lease(n)
+    def _try_alloc(self, unit: Unit) -> Lease | None:
+        n, inflight, cap = unit.nbytes, self.stats.inflight_bytes, self._arena.capacity
+        if inflight + n > cap and not (n > cap and inflight == 0):  # larger than the budget: alone
+            return None
+        if self._mappable(unit):
+            return self._lease(MAPPED, unit.start, n, unit.source.view(unit.start, n))
+        if n > cap:
+            return self._lease(OUTSIDE, 0, n, _host_array(n, self._pin))
+        start = self._arena.alloc(n)
+        if start is None:
+            return None
+        return self._lease(ARENA, start, n, self._arena.array()[start : start + n])
 
-    def _outside_lease(self, n: int) -> Lease:
-        self._outside += n
-        return self._lease(None, n, _host_array(n, self._pin))
+    def _overdraft(self, unit: Unit) -> Lease:
+        self.stats.overdraft_bytes += unit.nbytes
+        if self._mappable(unit):
+            return self._lease(MAPPED, unit.start, unit.nbytes, unit.source.view(unit.start, unit.nbytes))
+        return self._lease(OUTSIDE, 0, unit.nbytes, _host_array(unit.nbytes, self._pin))
 
-    def _lease(self, start: int | None, n: int, view: np.ndarray[Any, Any]) -> Lease:
-        lease = Lease(start, n, view)
+    def _lease(self, kind: str, start: int, n: int, view: np.ndarray[Any, Any]) -> Lease:
+        lease = Lease(kind, start, n, view)
         self.stats.inflight_bytes += n
         self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self.stats.inflight_bytes)
         # Fires when the last tensor sharing `view`'s memory dies, in whichever thread drops it.
-        weakref.finalize(view, self._released_threadsafe, start, n)
+        weakref.finalize(view, self._released_threadsafe, kind, start, n)
         return lease
 
-    def _released_threadsafe(self, start: int | None, n: int) -> None:
-        event = self._release_event() if self._release_event is not None else None
+    def _released_threadsafe(self, kind: str, start: int, n: int) -> None:
+        event = self._release_event() if self._release_event is not None and kind != MAPPED else None
         try:
-            self._loop.call_soon_threadsafe(self._released, start, n, event)
+            self._loop.call_soon_threadsafe(self._released, kind, start, n, event)
         except RuntimeError:  # loop closed: the reader is gone
             pass
 
-    def _released(self, start: int | None, n: int, event: Any) -> None:
+    def _released(self, kind: str, start: int, n: int, event: Any) -> None:
         if event is not None and not event.query():  # a GPU copy still reads this memory
-            self._loop.call_later(0.0005, self._released, start, n, event)
+            self._loop.call_later(0.0005, self._released, kind, start, n, event)
             return
-        if start is None:
-            self._outside -= n
-        else:
+        if kind == ARENA:
             self._arena.free(start, n)
         self.stats.inflight_bytes -= n
         self._changed.set()
@@ -287,26 +290,34 @@ class Reader:
     # -- reads ----------------------------------------------------------------------------
     async def _produce(self) -> None:
         for unit in self.plan.units:
-            lease = await self._acquire(unit.nbytes) if unit.dest is None and unit.nbytes else None
-            target = lease.tensor if lease is not None else unit.dest
-            task = asyncio.ensure_future(self._read(unit, target))
+            lease = await self._acquire(unit) if unit.dest is None and unit.nbytes else None
+            task = asyncio.ensure_future(self._read(unit, lease))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             await self._queue.put((unit, lease, task))
-            del lease, target
+            del lease
         await self._queue.put(None)
 
-    async def _read(self, unit: Unit, target: torch.Tensor | None) -> None:
-        if target is None or unit.nbytes == 0:
+    async def _read(self, unit: Unit, lease: Lease | None) -> None:
+        if unit.nbytes == 0:
             return
-        buf = _byte_view(target)
+        if lease is not None and lease.kind == MAPPED:
+            buf = None  # zero copy: reading is bringing the file's pages in
+        else:
+            target = lease.tensor if lease is not None else unit.dest
+            assert target is not None
+            buf = _byte_view(target)
+        del lease
         await asyncio.gather(*(self._read_chunk(unit, buf, off, n) for off, n in unit.chunks(self._chunk)))
         if unit.dest is not None:
             self.stats.direct_bytes += unit.nbytes
 
-    async def _read_chunk(self, unit: Unit, buf: memoryview, off: int, n: int) -> None:
+    async def _read_chunk(self, unit: Unit, buf: memoryview | None, off: int, n: int) -> None:
         async with self._gate:
-            await unit.source.readinto(unit.start + off, buf[off : off + n])
+            if buf is None:
+                await unit.source.populate(unit.start + off, n)
+            else:
+                await unit.source.readinto(unit.start + off, buf[off : off + n])
         self.stats.bytes_read += n
         self.stats.reads += 1
 

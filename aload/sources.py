@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import importlib
+import mmap
 import os
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
 
 import aiofiles
+import numpy as np
 
 from .errors import SourceError, UsageError
 
@@ -34,10 +38,20 @@ class Source(ABC):
     """One object of bytes (a file, an HTTP resource, an S3 object)."""
 
     url: str
+    #: Whether ``view``/``populate`` work: bytes handed out without a copy (a mapped file).
+    can_map: bool = False
 
     @abstractmethod
     async def size(self) -> int:
         """The object's length in bytes."""
+
+    def view(self, offset: int, length: int) -> np.ndarray[Any, Any]:
+        """A zero-copy, writable (copy-on-write) view of the bytes; valid once ``populate``d."""
+        raise NotImplementedError
+
+    async def populate(self, offset: int, length: int) -> None:
+        """Bring the bytes of a ``view`` into memory, or raise ``SourceError``."""
+        raise NotImplementedError
 
     @abstractmethod
     async def readinto(self, offset: int, buf: memoryview) -> None:
@@ -142,15 +156,47 @@ def _pread_into(fd: int, buf: memoryview, offset: int, url: str) -> None:
         done += n
 
 
-class LocalSource(Source):
-    """A local file read with positional reads in the store's thread pool. The file is opened
-    once and kept open, so a file replaced on disk mid-load is not mixed with its successor."""
+#: Local read modes. "map": units without a known destination are handed out as views of a
+#: private (copy-on-write) mapping of the file, with no copy and no anonymous memory; the read
+#: brings their pages in ahead of the consumer. "pread": every unit is read into a buffer. Reads
+#: straight into a known destination use os.preadv in both modes.
+READ_MODES = ("map", "pread")
+_PAGE = mmap.PAGESIZE
 
-    def __init__(self, path: str, pool: IOPool) -> None:
+
+_libc = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None
+if _libc is not None:
+    _libc.mmap.restype = ctypes.c_void_p
+    _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+
+
+def _map_private(fd: int, size: int, url: str) -> np.ndarray[Any, Any]:
+    """The whole file as a private, writable (copy-on-write) mapping: pages stay the page cache's
+    until someone writes to a tensor, which then gets its own copy instead of a crash. Mapped
+    with libc rather than ``mmap.mmap``, which keeps a duplicate descriptor open for as long as
+    any tensor lives; this mapping holds none and is unmapped when its last view dies."""
+    assert _libc is not None
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        err = ctypes.get_errno()
+        raise SourceError(f"cannot map: {os.strerror(err)}", url=url)
+    arr = np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(addr))
+    weakref.finalize(arr, _libc.munmap, addr, size)
+    return arr
+
+
+class LocalSource(Source):
+    """A local file read in the store's thread pool. It is opened once and kept open (and mapped,
+    in "map" mode), so a file replaced on disk mid-load is not mixed with its successor."""
+
+    def __init__(self, path: str, pool: IOPool, mode: str) -> None:
         self.url = path
+        self.can_map = mode == "map" and _libc is not None
         self._pool = pool
         self._fd: int | None = None
         self._size: int | None = None
+        self._bytes: np.ndarray[Any, Any] | None = None
 
     def _open(self) -> int:
         if self._fd is None:
@@ -168,10 +214,31 @@ class LocalSource(Source):
         return self._size
 
     async def readinto(self, offset: int, buf: memoryview) -> None:
-        fd = self._fd if self._fd is not None else await self._pool.run(self._open)
-        await self._pool.run(_pread_into, fd, buf, offset, self.url)
+        if self._fd is None:
+            await self._pool.run(self._open)
+        assert self._fd is not None
+        await self._pool.run(_pread_into, self._fd, buf, offset, self.url)
+
+    def view(self, offset: int, length: int) -> np.ndarray[Any, Any]:
+        if self._bytes is None:
+            assert self._fd is not None and self._size, "headers are read before data"
+            self._bytes = _map_private(self._fd, self._size, self.url)
+        return self._bytes[offset : offset + length]
+
+    async def populate(self, offset: int, length: int) -> None:
+        await self._pool.run(self._populate, offset, length)
+
+    def _populate(self, offset: int, length: int) -> None:
+        assert self._fd is not None and self._bytes is not None
+        # A mapped page past the end of a file truncated since it was opened would kill the
+        # process (SIGBUS) when touched: check first, so the common case is an error instead.
+        if os.fstat(self._fd).st_size < offset + length:
+            raise SourceError("file shrank since it was opened", url=self.url, byte_range=(offset, offset + length))
+        first = offset - offset % _PAGE
+        int(self._bytes[first : offset + length : _PAGE].max())  # one read per page faults it in
 
     def close(self) -> None:
+        self._bytes = None  # unmapped when the last tensor viewing it dies
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -180,8 +247,11 @@ class LocalSource(Source):
 class LocalStore(Store):
     """A local ``.safetensors`` file or a folder of them."""
 
-    def __init__(self, url: str, *, concurrency: int) -> None:
+    def __init__(self, url: str, *, concurrency: int, read: str = "map") -> None:
+        if read not in READ_MODES:
+            raise UsageError(f"read must be one of {READ_MODES}, got {read!r}", url=url)
         self.url = _path_from_url(url)
+        self._read = read
         self._pool = IOPool(concurrency)
         self._sources: dict[str, LocalSource] = {}
 
@@ -195,7 +265,7 @@ class LocalStore(Store):
     def source(self, name: str) -> Source:
         path = self.url if name == "" else os.path.join(self.url, name)
         if path not in self._sources:
-            self._sources[path] = LocalSource(path, self._pool)
+            self._sources[path] = LocalSource(path, self._pool, self._read)
         return self._sources[path]
 
     async def list(self, suffix: str) -> list[str]:

@@ -176,6 +176,7 @@ def run_one(loader: str, folder: Path) -> dict[str, Any]:
         "bytes": total,
         "gbps": total / row["seconds"] / 1e9,
         "peak_anon_delta_bytes": peak[0] - base,
+        "peak_rss_delta_bytes": peak_rss[0] - base_rss,
         **row,
     }
 
