@@ -28,6 +28,7 @@ import torch
 
 from .errors import UsageError
 from .plan import Item, Plan, Unit
+from .sources import Source
 
 DEFAULT_MAX_INFLIGHT_BYTES = 512 * 1024 * 1024
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
@@ -249,7 +250,7 @@ class Reader:
         if inflight + n > cap and not (n > cap and inflight == 0):  # larger than the budget: alone
             return None
         if self._mappable(unit):
-            return self._lease(MAPPED, unit.start, n, unit.source.view(unit.start, n))
+            return self._lease(MAPPED, unit.start, n, unit.source.view(unit.start, n), unit.source)
         if n > cap:
             return self._lease(OUTSIDE, 0, n, _host_array(n, self._pin))
         start = self._arena.alloc(n)
@@ -260,18 +261,20 @@ class Reader:
     def _overdraft(self, unit: Unit) -> Lease:
         self.stats.overdraft_bytes += unit.nbytes
         if self._mappable(unit):
-            return self._lease(MAPPED, unit.start, unit.nbytes, unit.source.view(unit.start, unit.nbytes))
+            return self._lease(MAPPED, unit.start, unit.nbytes, unit.source.view(unit.start, unit.nbytes), unit.source)
         return self._lease(OUTSIDE, 0, unit.nbytes, _host_array(unit.nbytes, self._pin))
 
-    def _lease(self, kind: str, start: int, n: int, view: np.ndarray[Any, Any]) -> Lease:
+    def _lease(self, kind: str, start: int, n: int, view: np.ndarray[Any, Any], source: Source | None = None) -> Lease:
         lease = Lease(kind, start, n, view)
         self.stats.inflight_bytes += n
         self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self.stats.inflight_bytes)
         # Fires when the last tensor sharing `view`'s memory dies, in whichever thread drops it.
-        weakref.finalize(view, self._released_threadsafe, kind, start, n)
+        weakref.finalize(view, self._released_threadsafe, kind, start, n, source)
         return lease
 
-    def _released_threadsafe(self, kind: str, start: int, n: int) -> None:
+    def _released_threadsafe(self, kind: str, start: int, n: int, source: Source | None) -> None:
+        if source is not None:
+            source.release(start, n)
         event = self._release_event() if self._release_event is not None and kind != MAPPED else None
         try:
             self._loop.call_soon_threadsafe(self._released, kind, start, n, event)

@@ -53,6 +53,9 @@ class Source(ABC):
         """Bring the bytes of a ``view`` into memory, or raise ``SourceError``."""
         raise NotImplementedError
 
+    def release(self, offset: int, length: int) -> None:
+        """No tensor views these bytes any more: let their memory go (from any thread)."""
+
     @abstractmethod
     async def readinto(self, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` exactly with the bytes at ``offset``, or raise ``SourceError``."""
@@ -169,6 +172,8 @@ if _libc is not None:
     _libc.mmap.restype = ctypes.c_void_p
     _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
     _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_MADV_DONTNEED = 4
 
 
 def _map_private(fd: int, size: int, url: str) -> np.ndarray[Any, Any]:
@@ -236,6 +241,14 @@ class LocalSource(Source):
             raise SourceError("file shrank since it was opened", url=self.url, byte_range=(offset, offset + length))
         first = offset - offset % _PAGE
         int(self._bytes[first : offset + length : _PAGE].max())  # one read per page faults it in
+
+    def release(self, offset: int, length: int) -> None:
+        # Drop the pages from this process's mapping so its RSS stays within the budget; they
+        # stay in the page cache. Only whole pages inside the range (neighbours may share one).
+        arr = self._bytes  # a local reference keeps the mapping alive during the call
+        lo, hi = -(-offset // _PAGE) * _PAGE, (offset + length) // _PAGE * _PAGE
+        if arr is not None and _libc is not None and hi > lo:
+            _libc.madvise(arr.ctypes.data + lo, hi - lo, _MADV_DONTNEED)
 
     def close(self) -> None:
         self._bytes = None  # unmapped when the last tensor viewing it dies
