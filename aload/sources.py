@@ -53,8 +53,9 @@ class Source(ABC):
         """Bring the bytes of a ``view`` into memory, or raise ``SourceError``."""
         raise NotImplementedError
 
-    def release(self, offset: int, length: int) -> None:
+    def release(self, offset: int, length: int) -> None:  # noqa: B027 - optional hook
         """No tensor views these bytes any more: let their memory go (from any thread)."""
+        return None
 
     @abstractmethod
     async def readinto(self, offset: int, buf: memoryview) -> None:

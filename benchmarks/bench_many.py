@@ -19,11 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+import torch
+from safetensors.torch import save_file
 
-import aload  # noqa: E402
-from examples.demo import empty_model  # noqa: E402
+import aload
+from examples.demo import empty_model
 
 
 class Engine(torch.nn.Module):

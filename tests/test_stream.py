@@ -172,12 +172,26 @@ def test_streams_under_uvloop_without_blocking(tmp_path: Path) -> None:
 
 
 @pytest.mark.blocks_loop
-async def test_watchdog_catches_a_blocked_loop() -> None:
-    async with LoopWatchdog() as dog:
-        await asyncio.sleep(0.01)
-        time.sleep(0.3)  # what a blocking read on the loop looks like
-        await asyncio.sleep(0.01)
+async def test_watchdogs_catch_a_blocked_loop() -> None:
+    """Both guards can fail: the debug-mode report (default loop) and the ticker (uvloop)."""
+    import logging
+
+    from .conftest import SlowCallbacks
+
+    async def blocking_callback() -> None:  # what a blocking read on the loop looks like
+        time.sleep(0.3)
+
+    handler = SlowCallbacks()
+    logging.getLogger("asyncio").addHandler(handler)
+    try:
+        async with LoopWatchdog() as dog:
+            await asyncio.sleep(0.01)
+            await asyncio.ensure_future(blocking_callback())
+            await asyncio.sleep(0.01)
+    finally:
+        logging.getLogger("asyncio").removeHandler(handler)
     assert dog.worst >= 0.25
+    assert any("blocking_callback" in r for r in handler.reports)
 
 
 @pytest.mark.parametrize("read", ["map", "pread"])
