@@ -53,7 +53,7 @@ class Source(ABC):
         """Bring the bytes of a ``view`` into memory, or raise ``SourceError``."""
         raise NotImplementedError
 
-    def release(self, offset: int, length: int) -> None:  # noqa: B027 - optional hook
+    def release(self, offset: int, length: int) -> None:
         """No tensor views these bytes any more: let their memory go (from any thread)."""
         return None
 
