@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(PY) -m ruff check aload tests benchmarks examples
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
