@@ -90,7 +90,8 @@ async def minilm() -> None:
     )
     with torch.no_grad():
         same = torch.equal(ref(**batch).last_hidden_state, model(**batch).last_hidden_state)
-    state_same = all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), model.state_dict().values()))
+    want, got = ref.state_dict(), model.state_dict()
+    state_same = want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     print(f"checked against transformers' from_pretrained: state identical {state_same}, embeddings identical {same}")
     assert same and state_same
 
