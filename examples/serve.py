@@ -9,7 +9,8 @@ It listens at once and loads the model in the background with ``aload.load``:
 - ``POST /generate`` ``{"ids": [[...]]}`` runs the model (next-token argmax per position);
 - ``POST /reload`` ``{"checkpoint": PATH}`` loads a new checkpoint into a fresh model while requests
   keep being served, then swaps it in with one assignment: a request sees the old weights or the
-  new, never a mix. A failed or cancelled reload leaves the old weights serving and says why.
+  new, never a mix. ``DELETE /reload`` cancels a running load. A failed or cancelled reload
+  leaves the old weights serving and says why.
 """
 
 from __future__ import annotations
@@ -114,6 +115,13 @@ class Server:
 
         return web.json_response({"version": version, "next": await asyncio.to_thread(run)})
 
+    async def cancel(self, request: web.Request) -> web.Response:
+        if self.loading is None or self.loading.done():
+            return web.json_response({"error": "no load is running"}, status=409)
+        self.loading.cancel()
+        await asyncio.wait([self.loading])  # aload stops every read and joins its threads
+        return web.json_response({"cancelled": True, "version": self.version})
+
     async def reload(self, request: web.Request) -> web.Response:
         checkpoint = (await request.json())["checkpoint"]
         if not self.start_load(checkpoint):
@@ -128,6 +136,7 @@ class Server:
                 web.get("/ready", self.ready),
                 web.post("/generate", self.generate),
                 web.post("/reload", self.reload),
+                web.delete("/reload", self.cancel),
             ]
         )
 

@@ -116,6 +116,17 @@ async def test_serves_while_loading_and_swaps_atomically(checkpoints: dict[str, 
             assert state["version"] == 2 and state["ready"] and "bad/model-" in (state["error"] or ""), state
             await generate()
             assert answers[-1] == {"version": 2, "next": checkpoints["b"][1]}
+
+            # 4. a cancelled reload: the same
+            async with http.post(f"{base}/reload", json={"checkpoint": checkpoints["a"][0]}) as r:
+                assert r.status == 202
+            async with http.delete(f"{base}/reload") as r:
+                assert r.status == 200 and (await r.json())["version"] == 2
+            async with http.get(f"{base}/ready") as r:
+                state = await r.json()
+            assert state["version"] == 2 and not state["loading"] and "cancelled" in state["error"], state
+            await generate()
+            assert answers[-1] == {"version": 2, "next": checkpoints["b"][1]}
     finally:
         await runner.cleanup()
     print(
