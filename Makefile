@@ -29,8 +29,8 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 bench: $(STAMP)
-	$(PY) -m pip install -q -c constraints.txt psutil
-	$(PY) benchmarks/bench_local.py
+	$(PY) -m pip install -q -c constraints.txt -e ".[bench]"
+	$(PY) benchmarks/suite.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import builtins
 import importlib
 import json
 import sys
@@ -107,6 +108,55 @@ async def _load(args: argparse.Namespace) -> int:
     return 0
 
 
+builtins_open = builtins.open  # `open` here is aload.open
+
+
+def _sizes(text: str) -> list[int]:
+    """ "128m,1048576" -> bytes."""
+    return [int(float(x[:-1]) * 2**20) if x.lower().endswith("m") else int(x) for x in text.split(",")]
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    from .bench import bench_stream, describe, sweep
+
+    options: dict[str, Any] = {"read": args.read} if args.read else {}
+    if args.sweep:
+        rows = await sweep(
+            args.path,
+            budgets=_sizes(args.budget_sweep),
+            concurrencies=[int(x) for x in args.concurrency_sweep.split(",")],
+            chunks=_sizes(args.chunk_sweep),
+            **options,
+        )
+        for r in rows:
+            print(
+                f"budget {r['max_inflight_bytes'] >> 20} MiB, concurrency {r['concurrency']}, "
+                f"chunk {r['chunk_bytes'] >> 20} MiB: {describe(r)}"
+            )
+        best = rows[0]
+        print(
+            f"best here: --budget {best['max_inflight_bytes']} --concurrency {best['concurrency']} "
+            f"--chunk-bytes {best['chunk_bytes']} ({best['gbps']:.2f} GB/s)"
+        )
+    else:
+        bar = None if args.quiet else ProgressBar()
+        rows = [
+            await bench_stream(
+                args.path,
+                max_inflight_bytes=args.budget,
+                concurrency=args.concurrency,
+                chunk_bytes=args.chunk_bytes,
+                progress=bar,
+                **options,
+            )
+        ]
+        print(describe(rows[0]))
+    if args.json:
+        with builtins_open(args.json, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aload", description="Stream safetensors checkpoints into PyTorch.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -122,9 +172,24 @@ def main(argv: list[str] | None = None) -> int:
     p_load.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     p_load.add_argument("--json", action="store_true")
     p_load.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p_bench = sub.add_parser(
+        "bench", help="measure streaming your checkpoint: throughput, first tensor, memory, loop lateness"
+    )
+    p_bench.add_argument("path")
+    p_bench.add_argument("--budget", type=int, default=DEFAULT_MAX_INFLIGHT_BYTES, help="max bytes in flight")
+    p_bench.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY)
+    p_bench.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    p_bench.add_argument("--read", choices=("map", "pread"), help="local files: how to read (default map)")
+    p_bench.add_argument("--sweep", action="store_true", help="try the grid below and report which setting did best")
+    p_bench.add_argument("--budget-sweep", default="128m,512m", help="budgets to try (bytes, or NNm for MiB)")
+    p_bench.add_argument("--concurrency-sweep", default="1,2,4,8")
+    p_bench.add_argument("--chunk-sweep", default="4m,16m,64m")
+    p_bench.add_argument("--json", help="write the row(s) here, one JSON object per line")
+    p_bench.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    commands = {"inspect": _inspect, "load": _load, "bench": _bench}
     try:
-        return asyncio.run(_inspect(args) if args.cmd == "inspect" else _load(args))
+        return asyncio.run(commands[args.cmd](args))
     except AloadError as exc:
         print(f"aload: error: {exc}", file=sys.stderr)
         return 2

@@ -32,3 +32,47 @@ def test_errors_are_one_line_and_name_the_file(tmp_path: Path) -> None:
     bad.write_bytes(b"\xff" * 16)
     done = run("inspect", str(bad))
     assert done.returncode == 2 and str(bad) in done.stderr and "Traceback" not in done.stderr
+
+
+def test_bench_prints_figures_and_writes_rows(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.randn(64, 64) for i in range(8)}, str(path))
+    out = tmp_path / "rows.jsonl"
+    done = run("bench", str(path), "--json", str(out), "--budget", "65536")
+    assert done.returncode == 0, done.stderr
+    assert "GB/s" in done.stdout and "loop lateness p50" in done.stdout
+    row = json.loads(out.read_text())
+    assert row["tensors"] == 8 and row["bytes"] == 8 * 64 * 64 * 4 and row["max_inflight_bytes"] == 65536
+    for key in (
+        "seconds",
+        "gbps",
+        "ttft_s",
+        "peak_anon_delta_bytes",
+        "peak_rss_delta_bytes",
+        "loop_lag_p99_ms",
+        "cpu_s",
+    ):
+        assert key in row
+
+
+def test_bench_sweep_reports_the_best_setting(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.randn(64, 64) for i in range(8)}, str(path))
+    out = tmp_path / "rows.jsonl"
+    done = run(
+        "bench",
+        str(path),
+        "--sweep",
+        "--budget-sweep",
+        "1m",
+        "--concurrency-sweep",
+        "1,2",
+        "--chunk-sweep",
+        "1m,4096",
+        "--json",
+        str(out),
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and rows[0]["gbps"] == max(r["gbps"] for r in rows)
+    assert "best here: --budget 1048576" in done.stdout

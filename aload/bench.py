@@ -1,0 +1,137 @@
+"""Measuring a load as a user sees it: throughput, time to first tensor, memory, loop lateness.
+
+Used by ``aload bench URL`` and by ``benchmarks/``. ``Probe`` runs a 1 ms ticker on the event loop
+and samples the process's anonymous and resident memory every 2 ms on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .pipeline import stream
+from .reader import Progress
+
+
+def read_status(field_name: str) -> int:
+    """A ``/proc/self/status`` field in bytes (0 where there is no /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass
+class Probe:
+    """Loop lateness (1 ms ticker) and peak memory over a baseline, for one measured stretch."""
+
+    lags: list[float] = field(default_factory=list)
+    trace: list[tuple[float, int, int]] = field(default_factory=list)  # (s, anon, rss) deltas
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    async def __aenter__(self) -> Probe:
+        self.base_anon, self.base_rss = read_status("RssAnon"), read_status("VmRSS")
+        self.t0 = time.perf_counter()
+        self._sampler = threading.Thread(target=self._sample, name="bench-sampler", daemon=True)
+        self._sampler.start()
+        self._ticker = asyncio.ensure_future(self._tick())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._ticker.cancel()
+        await asyncio.wait([self._ticker])
+        self._stop.set()
+        self._sampler.join()
+
+    async def _tick(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.lags.append(time.perf_counter() - t - 0.001)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.trace.append(
+                (
+                    time.perf_counter() - self.t0,
+                    read_status("RssAnon") - self.base_anon,
+                    read_status("VmRSS") - self.base_rss,
+                )
+            )
+            time.sleep(0.002)
+
+    def row(self) -> dict[str, Any]:
+        lags = sorted(self.lags) or [0.0]
+        return {
+            "peak_anon_delta_bytes": max((a for _, a, _ in self.trace), default=0),
+            "peak_rss_delta_bytes": max((r for _, _, r in self.trace), default=0),
+            "loop_lag_p50_ms": lags[len(lags) // 2] * 1e3,
+            "loop_lag_p99_ms": lags[min(len(lags) - 1, int(len(lags) * 0.99))] * 1e3,
+        }
+
+
+async def bench_stream(
+    url: str, *, max_inflight_bytes: int, concurrency: int, chunk_bytes: int, progress: Any = None, **options: Any
+) -> dict[str, Any]:
+    """Stream every tensor of ``url`` and drop it: the pipeline alone, as one benchmark row."""
+    cpu0 = time.process_time()
+    async with Probe() as probe:
+        t0 = time.perf_counter()
+        async with stream(
+            url,
+            max_inflight_bytes=max_inflight_bytes,
+            concurrency=concurrency,
+            chunk_bytes=chunk_bytes,
+            progress=progress,
+            **options,
+        ) as s:
+            async for _pair in s:
+                pass
+            st = s.stats
+        seconds = time.perf_counter() - t0
+    return {
+        "loader": "aload",
+        "source": url,
+        "bytes": st.bytes,
+        "tensors": st.tensors,
+        "seconds": seconds,
+        "gbps": st.bytes / seconds / 1e9 if seconds > 0 else 0.0,
+        "ttft_s": st.ttft_s,
+        "cpu_s": time.process_time() - cpu0,
+        "max_inflight_bytes": max_inflight_bytes,
+        "concurrency": concurrency,
+        "chunk_bytes": chunk_bytes,
+        **probe.row(),
+    }
+
+
+async def sweep(
+    url: str, *, budgets: list[int], concurrencies: list[int], chunks: list[int], **options: Any
+) -> list[dict[str, Any]]:
+    """One row per setting, best first (by throughput)."""
+    rows = []
+    for budget, conc, chunk in itertools.product(budgets, concurrencies, chunks):
+        rows.append(await bench_stream(url, max_inflight_bytes=budget, concurrency=conc, chunk_bytes=chunk, **options))
+    return sorted(rows, key=lambda r: -float(r["gbps"]))
+
+
+def describe(row: dict[str, Any]) -> str:
+    ttft = f"{row['ttft_s'] * 1e3:.1f} ms" if row.get("ttft_s") is not None else "-"
+    return (
+        f"{row['gbps']:.2f} GB/s ({row['bytes'] / 1e9:.3f} GB, {row['tensors']} tensors in {row['seconds']:.3f} s); "
+        f"first tensor {ttft}; peak memory +{row['peak_rss_delta_bytes'] / 2**20:.0f} MiB RSS "
+        f"(+{row['peak_anon_delta_bytes'] / 2**20:.0f} MiB anonymous); loop lateness p50 "
+        f"{row['loop_lag_p50_ms']:.2f} ms, p99 {row['loop_lag_p99_ms']:.2f} ms"
+    )
+
+
+__all__ = ["Probe", "Progress", "bench_stream", "describe", "read_status", "sweep"]

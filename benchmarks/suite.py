@@ -1,0 +1,391 @@
+"""The benchmark suite: aload against the loaders people use today, on the same checkpoints.
+
+    python benchmarks/suite.py [--sizes 1,4,8] [--many] [--scenarios warm,cold] [--reps 5]
+                               [--loaders all] [--out benchmarks/out]
+
+Generates Llama-shaped bf16 checkpoints (big matrices and small norms, ~2 GiB shards) and, with
+--many, one of 20,000 small tensors; runs every loader on the same checkpoint in a fresh process
+each, alternating the order between repetitions; writes JSON rows, a markdown table (median and
+min-max) and PNG plots (throughput per scenario; memory over time for one load of each loader).
+
+Every loader delivers every tensor into a preallocated, already touched model (a ``copy_``, as
+``load_weights`` does), so lazy loaders are not credited for bytes never touched. Blocking loaders
+run in ``asyncio.to_thread`` inside an asyncio app, as a serving frontend would have to, so the
+event-loop lateness is comparable. Cold = fsync + POSIX_FADV_DONTNEED on every shard before a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+#: name -> what it stands for. runai_best uses the concurrency the driver found best (--runai-sweep).
+LOADERS = {
+    "aload": "aload.load, built-in loader (reads straight into the parameters)",
+    "aload_lw": "aload.load into a vLLM-style model.load_weights that copy_()s each tensor",
+    "load_file": "safetensors.torch.load_file per shard",
+    "safe_open": "safe_open + get_tensor loop (vLLM's default iterator)",
+    "threadpool": "load_file over shards in a pool of 4 threads, all shards submitted (vLLM's multi-thread iterator)",
+    "sglang_window": "load_file in a pool of 4 with a FIFO window of max_workers + 1 shard futures (sglang)",
+    "runai": "Run:ai Model Streamer, its defaults",
+    "runai_best": "Run:ai Model Streamer at the concurrency that did best here",
+    "fastsafetensors": "fastsafetensors on the CPU (nogds)",
+}
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def make_llama(folder: Path, size_gib: float) -> Path:
+    """Llama-3-8B-shaped layers, bf16, ~2 GiB shards (written once, reused)."""
+    from examples.demo import llama_shapes, write_checkpoint
+
+    if not (folder / "model.safetensors.index.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        hidden, inter, vocab = 4096, 14336, 32000
+        per_layer = 2 * (2 * hidden * hidden + 2 * hidden * hidden // 4 + 3 * inter * hidden)
+        layers = max(1, int((size_gib * 2**30 - 4 * vocab * hidden) // per_layer))
+        write_checkpoint(folder, llama_shapes(hidden, inter, vocab, layers), shards=max(1, round(size_gib / 2)))
+    return folder
+
+
+def make_many(folder: Path, n: int = 20_000) -> Path:
+    """n small tensors (a norm-sized 4 KiB each), for per-tensor overhead."""
+    import torch
+    from safetensors.torch import save_file
+
+    if not (folder / "model.safetensors").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        g = torch.Generator().manual_seed(0)
+        save_file(
+            {
+                f"model.layers.{i // 10}.t{i % 10}.weight": torch.randn(2048, generator=g).to(torch.bfloat16)
+                for i in range(n)
+            },
+            str(folder / "model.safetensors"),
+        )
+    return folder
+
+
+def shards(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def drop_cache(folder: Path) -> None:
+    for p in shards(folder):
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def warm_cache(folder: Path) -> float:
+    """Read every shard with dd (bs=16M); returns GB/s (the `dd` ceiling when already warm)."""
+    t0 = time.perf_counter()
+    for p in shards(folder):
+        subprocess.run(["dd", f"if={p}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
+    return sum(p.stat().st_size for p in shards(folder)) / (time.perf_counter() - t0) / 1e9
+
+
+# -- one run, in its own process --------------------------------------------------------------------
+
+
+def peer_iterator(loader: str, files: list[str], runai_concurrency: int | None) -> Iterator[tuple[str, Any]]:
+    """The peers, written as the engines use them."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if loader == "load_file":
+        for f in files:
+            yield from load_file(f).items()
+    elif loader == "safe_open":
+        for f in files:
+            with safe_open(f, "pt") as st:
+                for k in st.keys():
+                    yield k, st.get_tensor(k)
+    elif loader == "threadpool":
+        with ThreadPoolExecutor(4) as ex:
+            for fut in as_completed([ex.submit(load_file, f) for f in files]):
+                yield from fut.result().items()
+    elif loader == "sglang_window":
+        with ThreadPoolExecutor(4) as ex:
+            pending = [ex.submit(load_file, f) for f in files[:5]]
+            rest = iter(files[5:])
+            while pending:
+                sd = pending.pop(0).result()
+                nxt = next(rest, None)
+                if nxt is not None:
+                    pending.append(ex.submit(load_file, nxt))
+                yield from sd.items()
+                del sd
+    elif loader in ("runai", "runai_best"):
+        if loader == "runai_best" and runai_concurrency:
+            os.environ["RUNAI_STREAMER_CONCURRENCY"] = str(runai_concurrency)
+        from runai_model_streamer import SafetensorsStreamer
+
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_files(files)
+            yield from streamer.get_tensors()
+    elif loader == "fastsafetensors":
+        from fastsafetensors import fastsafe_open
+
+        with fastsafe_open(files, nogds=True, device="cpu") as f:
+            for k in f.keys():
+                yield k, f.get_tensor(k)
+    else:
+        raise SystemExit(f"unknown loader {loader}")
+
+
+def run_one(loader: str, folder: Path, runai_concurrency: int | None) -> dict[str, Any]:
+    import torch
+    from safetensors import safe_open
+
+    import aload
+    from aload.bench import Probe
+    from examples.demo import empty_model
+
+    files = [str(p) for p in shards(folder)]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                shapes[k] = tuple(st.get_slice(k).get_shape())
+    model = empty_model(shapes, torch.bfloat16)  # zeros: every page touched before timing
+    params = dict(model.named_parameters())
+    first: list[float] = []
+
+    def copy_in(name: str, t: Any) -> None:
+        params[name].data.copy_(t)
+        if not first:
+            first.append(time.perf_counter())
+
+    class Engine(torch.nn.Module):
+        def load_weights(self, weights: Any) -> set[str]:
+            for name, t in weights:
+                copy_in(name, t)
+            return set()
+
+    def blocking() -> None:
+        for name, t in peer_iterator(loader, files, runai_concurrency):
+            copy_in(name, t)
+
+    async def main() -> dict[str, Any]:
+        cpu0 = time.process_time()
+        async with Probe() as probe:
+            t0 = time.perf_counter()
+            if loader == "aload":
+                ttft = (await aload.load(model, folder)).ttft_s
+            elif loader == "aload_lw":
+                ttft = (await aload.load(Engine(), folder)).ttft_s
+            else:
+                await asyncio.to_thread(blocking)
+                ttft = first[0] - t0 if first else None
+            seconds = time.perf_counter() - t0
+        trace = probe.trace[:: max(1, len(probe.trace) // 400)]
+        return {
+            "seconds": seconds,
+            "ttft_s": ttft,
+            "cpu_s": time.process_time() - cpu0,
+            **probe.row(),
+            "mem_trace": [(round(t, 4), a, r) for t, a, r in trace],
+        }
+
+    row = asyncio.run(main())
+    last = list(shapes)[-1]
+    with safe_open(files[-1], "pt") as st:  # the model really holds the checkpoint's bytes
+        k = list(st.keys())[-1]
+        assert torch.equal(params[k], st.get_tensor(k)), (loader, k, last)
+    total = sum(p.nbytes for p in params.values())
+    return {
+        "loader": loader,
+        "source": "file",
+        "bytes": total,
+        "tensors": len(params),
+        "gbps": total / row["seconds"] / 1e9,
+        **row,
+    }
+
+
+# -- the driver -------------------------------------------------------------------------------------
+
+
+def child(loader: str, folder: Path, runai_c: int | None) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--run", loader, "--ckpt", str(folder)]
+    if runai_c:
+        cmd += ["--runai-concurrency", str(runai_c)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{loader} failed on {folder}:\n{out.stderr[-3000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def fmt(values: list[Any], scale: float = 1.0, digits: int = 2) -> str:
+    vals = [v * scale for v in values if v is not None]
+    if not vals:
+        return "-"
+    return f"{statistics.median(vals):.{digits}f} ({min(vals):.{digits}f}-{max(vals):.{digits}f})"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| scenario | loader | GB/s | seconds | ttft ms | peak anon MiB | peak RSS MiB | loop lag p50 ms "
+        "| loop lag p99 ms | cpu s |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        for loader in dict.fromkeys(r["loader"] for r in rows):
+            rs = [r for r in rows if r["scenario"] == scenario and r["loader"] == loader]
+            if not rs:
+                continue
+            lines.append(
+                f"| {scenario} | {loader} | {fmt([r['gbps'] for r in rs])} | {fmt([r['seconds'] for r in rs])} | "
+                f"{fmt([r['ttft_s'] for r in rs], 1e3, 1)} | {fmt([r['peak_anon_delta_bytes'] for r in rs], 2**-20, 0)} | "
+                f"{fmt([r['peak_rss_delta_bytes'] for r in rs], 2**-20, 0)} | {fmt([r['loop_lag_p50_ms'] for r in rs])} | "
+                f"{fmt([r['loop_lag_p99_ms'] for r in rs])} | {fmt([r['cpu_s'] for r in rs])} |"
+            )
+    return head + "\n".join(lines) + "\n"
+
+
+def ratios(rows: list[dict[str, Any]], dd: dict[str, float], budget: int = 512 << 20) -> str:
+    """The targets, as ratios in this run."""
+    out = []
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        med = {
+            ld: statistics.median(r["gbps"] for r in rows if r["scenario"] == scenario and r["loader"] == ld)
+            for ld in dict.fromkeys(r["loader"] for r in rows if r["scenario"] == scenario)
+        }
+        peers = {k: v for k, v in med.items() if not k.startswith("aload")}
+        if "aload" not in med or not peers:
+            continue
+        best = max(peers, key=peers.__getitem__)
+        line = f"{scenario}: aload {med['aload']:.2f} GB/s = {med['aload'] / peers[best]:.2f}x the fastest peer ({best} {peers[best]:.2f})"
+        if scenario in dd:
+            line += f", {med['aload'] / dd[scenario]:.2f}x dd ({dd[scenario]:.2f})"
+        if "aload_lw" in med:
+            line += f"; through load_weights {med['aload_lw']:.2f} = {med['aload_lw'] / peers[best]:.2f}x"
+        anon = max(
+            r["peak_anon_delta_bytes"] for r in rows if r["scenario"] == scenario and r["loader"].startswith("aload")
+        )
+        line += f"; aload peak anon {anon / 2**20:.0f} MiB (target <= {1.25 * budget / 2**20 + 64:.0f})"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    loaders = list(dict.fromkeys(r["loader"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(scenarios) * len(loaders) / 3), 5))
+    width = 0.8 / len(loaders)
+    for i, ld in enumerate(loaders):
+        meds, los, his = [], [], []
+        for sc in scenarios:
+            v = [r["gbps"] for r in rows if r["scenario"] == sc and r["loader"] == ld] or [0.0]
+            m = statistics.median(v)
+            meds.append(m), los.append(m - min(v)), his.append(max(v) - m)
+        xs = [j + i * width for j in range(len(scenarios))]
+        ax.bar(xs, meds, width, yerr=[los, his], label=ld, capsize=2)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(scenarios))], scenarios, rotation=20)
+    ax.set_ylabel("GB/s (median, min-max)")
+    ax.set_title("Load throughput into a preallocated CPU model")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    made.append(out / "throughput.png")
+    fig.savefig(made[-1], dpi=110)
+    plt.close(fig)
+
+    pick = next((sc for sc in scenarios if sc.startswith("warm") and "many" not in sc), scenarios[0])
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for ld in loaders:
+        r = next((r for r in rows if r["scenario"] == pick and r["loader"] == ld), None)
+        if r and r.get("mem_trace"):
+            ax.plot([t for t, _, _ in r["mem_trace"]], [rss / 2**20 for _, _, rss in r["mem_trace"]], label=ld)
+    ax.set_xlabel("seconds into the load")
+    ax.set_ylabel("RSS over baseline, MiB")
+    ax.set_title(f"Memory during one load ({pick})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    made.append(out / "memory.png")
+    fig.savefig(made[-1], dpi=110)
+    plt.close(fig)
+    return made
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,4,8", help="GiB, comma separated")
+    ap.add_argument("--many", action="store_true", help="also the 20,000-tensor checkpoint")
+    ap.add_argument("--scenarios", default="warm,cold")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--loaders", default="all")
+    ap.add_argument("--out", type=Path, default=HERE / "out")
+    ap.add_argument("--runai-sweep", default="4,8,16,32", help="concurrencies tried for runai_best (warm, once)")
+    ap.add_argument("--run", help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--runai-concurrency", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.run:
+        print(json.dumps(run_one(a.run, a.ckpt, a.runai_concurrency)))
+        return
+    loaders = list(LOADERS) if a.loaders == "all" else a.loaders.split(",")
+    a.out.mkdir(parents=True, exist_ok=True)
+    ckpts: dict[str, Path] = {f"{s}GiB": make_llama(a.out / f"ckpt-{s}g", float(s)) for s in a.sizes.split(",") if s}
+    if a.many:
+        ckpts["20k-tensors"] = make_many(a.out / "ckpt-many")
+    runai_c = None
+    if "runai_best" in loaders:
+        first = next(iter(ckpts.values()))
+        warm_cache(first)
+        trials = {int(c): child("runai_best", first, int(c))["gbps"] for c in a.runai_sweep.split(",")}
+        runai_c = max(trials, key=trials.__getitem__)
+        print(f"runai concurrency sweep (warm, {first.name}): {trials} -> {runai_c}", flush=True)
+    rows: list[dict[str, Any]] = []
+    dd: dict[str, float] = {}
+    for label, folder in ckpts.items():
+        warm_cache(folder)
+        dd[f"warm {label}"] = statistics.median(warm_cache(folder) for _ in range(3))
+        for scenario in a.scenarios.split(","):
+            name = f"{scenario} {label}"
+            for rep in range(a.reps):
+                for loader in loaders if rep % 2 == 0 else loaders[::-1]:
+                    drop_cache(folder) if scenario == "cold" else warm_cache(folder)
+                    row = child(loader, folder, runai_c)
+                    row.update(scenario=name, rep=rep, runai_concurrency=runai_c if loader == "runai_best" else None)
+                    if rep:
+                        row.pop("mem_trace", None)
+                    rows.append(row)
+                    print(f"  {name} rep {rep} {loader:>16}: {row['gbps']:.2f} GB/s", flush=True)
+    (a.out / "rows.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if k != "mem_trace"}) + "\n" for r in rows)
+    )
+    (a.out / "traces.json").write_text(json.dumps([r for r in rows if "mem_trace" in r]))
+    report = "# aload benchmark suite\n\n" + "\n".join(f"- `{k}`: {v}" for k, v in LOADERS.items() if k in loaders)
+    report += "\n\ndd of the same files (warm): " + ", ".join(f"{k}: {v:.2f} GB/s" for k, v in dd.items())
+    report += "\n\n" + table(rows) + "\n" + ratios(rows, dd)
+    (a.out / "report.md").write_text(report)
+    made = plots(rows, a.out)
+    print("\n" + report)
+    print("written: " + ", ".join(str(p) for p in [a.out / "rows.jsonl", a.out / "report.md", *made]))
+
+
+if __name__ == "__main__":
+    main()
