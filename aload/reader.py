@@ -1,15 +1,16 @@
-"""The reader: concurrent ranged reads into recycled buffers, bounded by a byte budget.
+"""The reader: concurrent ranged reads, bounded by a byte budget, delivered in plan order.
 
 Everything read and not yet released by the consumer counts against ``max_inflight_bytes``:
 a unit waits for budget before its reads start, and its bytes return to the budget when every
-tensor viewing them (and every view derived from those) is dead. Buffers come from one arena
-of ``max_inflight_bytes``, allocated once and reused, so pages are faulted in once per load
-instead of once per tensor. The units wait in a bounded ``asyncio.Queue`` in plan order.
+tensor viewing them (and every view derived from those) is dead. A unit's memory (a ``Lease``) is
+a view of a mapped file when the source can map (zero copy; the read brings the pages in), else a
+region of one arena of ``max_inflight_bytes``, allocated once and reused, so pages are faulted in
+once per load instead of once per tensor. Units wait in a bounded ``asyncio.Queue`` in plan order.
 
-Two cases step outside the arena, one unit at a time, so a load never deadlocks:
+Two cases step outside the budget, one unit at a time, so a load never deadlocks:
 - a unit larger than the whole budget is read alone once everything else is released;
 - a consumer that holds on to tensors until the budget is exhausted, and then waits for the
-  next one, gets it in fresh memory ("overdraft", counted in ``ReaderStats.overdraft_bytes``).
+  next one, gets it anyway ("overdraft", counted in ``ReaderStats.overdraft_bytes``).
   Memory then grows with what the consumer holds: that is the consumer's choice.
 """
 

@@ -313,7 +313,8 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     fig.savefig(made[-1], dpi=110)
     plt.close(fig)
 
-    pick = next((sc for sc in scenarios if sc.startswith("warm") and "many" not in sc), scenarios[0])
+    sized = [sc for sc in scenarios if sc.startswith("warm") and sc.endswith("GiB")]
+    pick = max(sized, key=lambda sc: float(sc.split()[1][:-3])) if sized else scenarios[0]  # the largest
     fig, ax = plt.subplots(figsize=(9, 5))
     for ld in loaders:
         r = next((r for r in rows if r["scenario"] == pick and r["loader"] == ld), None)
@@ -339,12 +340,21 @@ def main() -> None:
     ap.add_argument("--loaders", default="all")
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--runai-sweep", default="4,8,16,32", help="concurrencies tried for runai_best (warm, once)")
+    ap.add_argument("--replot", action="store_true", help="redraw the plots from --out's rows and traces")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--runai-concurrency", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.run:
         print(json.dumps(run_one(a.run, a.ckpt, a.runai_concurrency)))
+        return
+    if a.replot:
+        traces = {(r["scenario"], r["loader"]): r["mem_trace"] for r in json.loads((a.out / "traces.json").read_text())}
+        rows = [json.loads(line) for line in (a.out / "rows.jsonl").read_text().splitlines()]
+        for r in rows:
+            if r["rep"] == 0 and (r["scenario"], r["loader"]) in traces:
+                r["mem_trace"] = traces[(r["scenario"], r["loader"])]
+        print("written: " + ", ".join(map(str, plots(rows, a.out))))
         return
     loaders = list(LOADERS) if a.loaders == "all" else a.loaders.split(",")
     a.out.mkdir(parents=True, exist_ok=True)
