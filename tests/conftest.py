@@ -180,3 +180,21 @@ async def collect(it: Any) -> dict[str, torch.Tensor]:
     async for name, t in it:
         out[name] = t.clone()
     return out
+
+
+def hf_llama(seed: int = 0, **overrides: Any) -> Any:
+    """A small transformers LlamaForCausalLM (eval mode), seeded; overrides go to LlamaConfig."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields: dict[str, Any] = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**fields, **overrides})).eval()

@@ -14,26 +14,14 @@ from torch import nn
 
 import aload
 
-from .conftest import llama_like
+from .conftest import hf_llama, llama_like
 
 MiB = 1 << 20
 
 
 def tiny_llama() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval(), cfg
+    model = hf_llama()
+    return model, model.config
 
 
 @pytest.fixture(scope="module")

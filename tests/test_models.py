@@ -12,6 +12,8 @@ import torch
 import aload
 from examples.engine_llama import Config, EngineLlama, Int8WeightOnly
 
+from .conftest import hf_llama
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is on disk; never reach a hub
 
 
@@ -42,21 +44,9 @@ async def test_minilm_loads_identical_state_and_embeddings(minilm: tuple[Path, A
 
 
 @pytest.fixture(scope="module")
-def hf_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Path]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+def llama_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Path]:
+    model = hf_llama(vocab_size=128, intermediate_size=160, num_hidden_layers=2)
+    cfg = model.config
     folder = tmp_path_factory.mktemp("hf") / "llama"
     model.save_pretrained(folder, max_shard_size="60KB")
     return model, cfg, folder
@@ -65,8 +55,8 @@ def hf_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Path]:
 IDS = torch.tensor([[3, 17, 99, 4, 56, 8, 21]])
 
 
-async def test_engine_model_with_fused_layers_matches_transformers(hf_llama: tuple[Any, Any, Path]) -> None:
-    ref, cfg, folder = hf_llama
+async def test_engine_model_with_fused_layers_matches_transformers(llama_pair: tuple[Any, Any, Path]) -> None:
+    ref, cfg, folder = llama_pair
     engine = EngineLlama(Config.from_hf(cfg))
     report = await aload.load(engine, folder)  # load_weights walks stacked_params_mapping
     assert report.installed == len(dict(engine.named_parameters()))
@@ -74,12 +64,12 @@ async def test_engine_model_with_fused_layers_matches_transformers(hf_llama: tup
         assert torch.allclose(engine(IDS), ref(IDS).logits, rtol=0, atol=1e-6)
 
 
-async def test_online_int8_quantization_runs_after_every_weight_is_in(hf_llama: tuple[Any, Any, Path]) -> None:
+async def test_online_int8_quantization_runs_after_every_weight_is_in(llama_pair: tuple[Any, Any, Path]) -> None:
     """Tolerance: per-output-channel symmetric int8 rounds each weight by at most half a step,
     scale / 2 = max|row| / 254, i.e. ~0.4% of the row's largest weight. That bound is asserted
     exactly per weight; through two layers, norms and softmax the logits move by about 1% of
     their range here, so they are held to 5% of it."""
-    ref, cfg, folder = hf_llama
+    ref, cfg, folder = llama_pair
     floats = EngineLlama(Config.from_hf(cfg))
     await aload.load(floats, folder)
     quant = EngineLlama(Config.from_hf(cfg), Int8WeightOnly())

@@ -15,6 +15,8 @@ from aiohttp import web
 
 from examples.serve import Server, engine_llama_factory
 
+from .conftest import hf_llama
+
 IDS = [[5, 9, 14, 3, 27, 8]]
 
 
@@ -22,22 +24,17 @@ IDS = [[5, 9, 14, 3, 27, 8]]
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two Llama checkpoints with different weights, written by transformers, and what each
     model answers for IDS; plus a corrupt one."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
     out: dict[str, Any] = {}
     for name, seed in (("a", 0), ("b", 1)):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg).eval()
+        model = hf_llama(
+            seed,
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+        )
         folder = tmp_path_factory.mktemp(name) / "ckpt"
         model.save_pretrained(folder, max_shard_size="2MB")
         with torch.no_grad():
