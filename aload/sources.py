@@ -31,6 +31,8 @@ T = TypeVar("T")
 STORES: dict[str, tuple[str, str | None]] = {
     "": ("aload.sources:LocalStore", None),
     "file": ("aload.sources:LocalStore", None),
+    "http": ("aload.http:HttpStore", "http"),
+    "https": ("aload.http:HttpStore", "http"),
 }
 
 

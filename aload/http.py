@@ -1,0 +1,256 @@
+"""HTTP(S) sources: concurrent ranged GETs with aiohttp, every response checked, the object
+pinned by its ETag for the whole load, retries with backoff that resume where a body broke off.
+
+A URL naming a ``.safetensors`` object is one shard; any other URL is a checkpoint "folder":
+``model.safetensors.index.json`` first, else ``model.safetensors`` (HTTP has no listing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+
+from .errors import SourceError, UsageError
+from .sources import Source, Store
+
+#: Attempts per request (the first included) before giving up with the last cause.
+DEFAULT_RETRIES = 5
+#: Seconds without progress (connect, or between body bytes) before a request counts as failed.
+DEFAULT_TIMEOUT_S = 30.0
+_RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+def redact(url: str) -> str:
+    """The URL without credentials or query string (presigned URLs carry secrets there)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host += f":{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+class _Retry(Exception):
+    """A failure worth another attempt (connection, timeout, 5xx, 429, short body)."""
+
+
+class HttpSource(Source):
+    def __init__(self, store: HttpStore, url: str) -> None:
+        self.url = redact(url)
+        self._full = url
+        self._store = store
+        self._size: int | None = None
+        self._etag: str | None = None
+        self._modified: str | None = None
+
+    async def size(self) -> int:
+        if self._size is None:
+            # A one-byte ranged GET: it also shows whether the server honours Range at all.
+            async def probe(resp: aiohttp.ClientResponse) -> int:
+                if resp.status != 206:
+                    raise SourceError(
+                        f"server answered {resp.status} to a ranged GET; aload needs Range support", url=self.url
+                    )
+                _, _, total = self._content_range(resp, 0, 0)
+                self._etag = resp.headers.get("ETag")
+                self._modified = resp.headers.get("Last-Modified")
+                await resp.read()
+                return total
+
+            self._size = await self._request(0, 0, probe)
+        return self._size
+
+    async def readinto(self, offset: int, buf: memoryview) -> None:
+        if self._size is None:
+            await self.size()
+        done = 0
+        total = len(buf)
+
+        async def body(resp: aiohttp.ClientResponse) -> None:
+            nonlocal done
+            start = offset + done
+            if resp.status == 200:
+                raise SourceError(
+                    "server ignored Range and sent the whole object", url=self.url, byte_range=(offset, offset + total)
+                )
+            if resp.status != 206:
+                raise SourceError(f"unexpected status {resp.status}", url=self.url, byte_range=(offset, offset + total))
+            self._check_version(resp, offset, total)
+            self._content_range(resp, start, offset + total - 1)
+            async for chunk in resp.content.iter_any():
+                n = len(chunk)
+                if done + n > total:
+                    raise SourceError(
+                        "server sent more bytes than the range holds", url=self.url, byte_range=(offset, offset + total)
+                    )
+                buf[done : done + n] = chunk
+                done += n
+            if done < total:
+                raise _Retry(f"body ended after {done} of {total} bytes")
+
+        await self._request(offset, offset + total - 1, body, progress=lambda: offset + done)
+
+    def _content_range(self, resp: aiohttp.ClientResponse, first: int, last: int) -> tuple[int, int, int]:
+        m = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
+        if m is None or int(m.group(1)) != first or int(m.group(2)) != last or m.group(3) == "*":
+            raise SourceError(
+                f"Content-Range {resp.headers.get('Content-Range')!r} does not match the requested bytes {first}-{last}",
+                url=self.url,
+                byte_range=(first, last + 1),
+            )
+        length = resp.headers.get("Content-Length")
+        if length is not None and int(length) != last - first + 1:
+            raise SourceError(
+                f"Content-Length {length} for {last - first + 1} requested bytes",
+                url=self.url,
+                byte_range=(first, last + 1),
+            )
+        total = int(m.group(3))
+        if self._size is not None and total != self._size:
+            raise SourceError(
+                f"object is now {total} bytes, was {self._size}: it changed during the load", url=self.url
+            )
+        return int(m.group(1)), int(m.group(2)), total
+
+    def _check_version(self, resp: aiohttp.ClientResponse, offset: int, n: int) -> None:
+        etag, modified = resp.headers.get("ETag"), resp.headers.get("Last-Modified")
+        if (self._etag and etag and etag != self._etag) or (
+            not self._etag and self._modified and modified and modified != self._modified
+        ):
+            raise SourceError(
+                "object changed during the load (ETag/Last-Modified differ)",
+                url=self.url,
+                byte_range=(offset, offset + n),
+            )
+
+    def _headers(self, first: int, last: int) -> dict[str, str]:
+        headers = {"Range": f"bytes={first}-{last}", "Accept-Encoding": "identity"}
+        if self._etag:
+            headers["If-Match"] = self._etag
+        elif self._modified:
+            headers["If-Unmodified-Since"] = self._modified
+        return headers
+
+    async def _request(self, first: int, last: int, handle: Any, progress: Any = None) -> Any:
+        """GET bytes first..last with retries; a retry resumes from ``progress()`` when given."""
+        cause: BaseException | None = None
+        for attempt in range(self._store.retries):
+            if attempt:
+                await asyncio.sleep(min(8.0, 0.1 * 2**attempt) * random.uniform(0.5, 1.0))
+            start = progress() if progress is not None else first
+            try:
+                async with self._store.session().get(self._full, headers=self._headers(start, last)) as resp:
+                    if resp.status == 412:
+                        raise SourceError(
+                            "object changed during the load (If-Match failed)",
+                            url=self.url,
+                            byte_range=(first, last + 1),
+                        )
+                    if resp.status in (401, 403, 404):
+                        raise SourceError(f"{resp.status} {resp.reason}", url=self.url)
+                    if resp.status in _RETRY_STATUS:
+                        raise _Retry(f"{resp.status} {resp.reason}")
+                    return await handle(resp)
+            except (_Retry, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                cause = exc
+        raise SourceError(
+            f"gave up after {self._store.retries} attempts; last: {type(cause).__name__}: {cause}",
+            url=self.url,
+            byte_range=(first, last + 1),
+        ) from cause
+
+
+class HttpStore(Store):
+    """A checkpoint behind HTTP(S). Options: ``headers`` (added to every request), ``token``
+    (a bearer token; ``HF_TOKEN`` is used for huggingface.co), ``timeout`` (seconds without
+    progress), ``retries`` (attempts per request), ``ca_bundle`` (a PEM file of CAs to trust)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        concurrency: int,
+        headers: dict[str, str] | None = None,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retries: int = DEFAULT_RETRIES,
+        ca_bundle: str | None = None,
+    ) -> None:
+        if retries < 1 or timeout <= 0:
+            raise UsageError("retries must be >= 1 and timeout > 0", url=redact(url))
+        self._base = url.rstrip("/") if not url.endswith(".safetensors") else url
+        self.url = redact(self._base)
+        self.retries = retries
+        self._concurrency = concurrency
+        self._timeout = timeout
+        self._ca = ca_bundle
+        self._headers = dict(headers or {})
+        token = token or (os.environ.get("HF_TOKEN") if "huggingface.co" in url else None)
+        if token:
+            self._headers.setdefault("Authorization", f"Bearer {token}")
+        self._session: aiohttp.ClientSession | None = None
+        self._sources: dict[str, HttpSource] = {}
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            import ssl
+
+            ssl_ctx: Any = ssl.create_default_context(cafile=self._ca) if self._ca else True
+            self._session = aiohttp.ClientSession(
+                headers=self._headers,
+                connector=aiohttp.TCPConnector(limit=self._concurrency + 2, ssl=ssl_ctx),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._timeout, sock_read=self._timeout),
+                auto_decompress=False,
+            )
+        return self._session
+
+    def _url(self, name: str) -> str:
+        return self._base if name == "" else f"{self._base}/{name}"
+
+    async def kind(self) -> str:
+        return "file" if self._base.endswith(".safetensors") else "folder"
+
+    def source(self, name: str) -> Source:
+        if name not in self._sources:
+            self._sources[name] = HttpSource(self, self._url(name))
+        return self._sources[name]
+
+    async def list(self, suffix: str) -> list[str]:
+        src = self.source("model.safetensors")
+        try:
+            await src.size()
+        except SourceError:
+            return []
+        return ["model.safetensors"]
+
+    async def get(self, name: str, limit: int) -> bytes | None:
+        url = self._url(name)
+        for attempt in range(self.retries):
+            if attempt:
+                await asyncio.sleep(min(8.0, 0.1 * 2**attempt) * random.uniform(0.5, 1.0))
+            try:
+                async with self.session().get(url) as resp:
+                    if resp.status == 404:
+                        return None
+                    if resp.status in _RETRY_STATUS:
+                        continue
+                    if resp.status != 200:
+                        raise SourceError(f"{resp.status} {resp.reason}", url=redact(url))
+                    data = await resp.content.read(limit + 1)
+                    if len(data) > limit:
+                        raise SourceError(f"larger than the {limit}-byte limit for this file", url=redact(url))
+                    return data
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                continue
+        raise SourceError(f"gave up after {self.retries} attempts", url=redact(url))
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

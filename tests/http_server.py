@@ -1,0 +1,84 @@
+"""A real HTTP server on 127.0.0.1 for the tests: serves files with Range, and misbehaves on request.
+
+``faults[name]`` is a list of what to do to the next requests for ``name``, one entry each:
+"503" (answer 503), "cut" (send half the body, then drop the connection), "ignore-range" (answer
+200 with the whole object), "bad-range" (a Content-Range off by one), "trickle" (send slower than
+any sane timeout), "replace" (serve the object's replacement from now on: new bytes, new ETag).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+
+@dataclass
+class FileServer:
+    files: dict[str, bytes] = field(default_factory=dict)
+    faults: dict[str, list[str]] = field(default_factory=dict)
+    requests: list[tuple[str, str, str]] = field(default_factory=list)  # (method, name, Range)
+    auth: str | None = None  # if set, the Authorization header every request must carry
+    url: str = ""
+
+    def add_folder(self, folder: Path, prefix: str = "") -> None:
+        for p in sorted(folder.iterdir()):
+            self.files[prefix + p.name] = p.read_bytes()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        self.requests.append((request.method, name, request.headers.get("Range", "")))
+        if self.auth is not None and request.headers.get("Authorization") != self.auth:
+            return web.Response(status=403, text="forbidden")
+        if name not in self.files:
+            return web.Response(status=404, text="not found")
+        fault = self.faults.get(name, [None]).pop(0) if self.faults.get(name) else None
+        if fault == "replace":
+            self.files[name] = bytes(b ^ 0xFF for b in self.files[name])
+            fault = None
+        data = self.files[name]
+        etag = '"' + hashlib.md5(data).hexdigest() + '"'
+        if fault == "503":
+            return web.Response(status=503, text="busy")
+        if_match = request.headers.get("If-Match")
+        if if_match and if_match != etag:
+            return web.Response(status=412, text="precondition failed")
+        m = re.fullmatch(r"bytes=(\d+)-(\d+)", request.headers.get("Range", ""))
+        if m is None or fault == "ignore-range":
+            return web.Response(body=data, headers={"ETag": etag})
+        first, last = int(m.group(1)), min(int(m.group(2)), len(data) - 1)
+        body = data[first : last + 1]
+        shown = f"bytes {first + (1 if fault == 'bad-range' else 0)}-{last}/{len(data)}"
+        resp = web.StreamResponse(
+            status=206, headers={"Content-Range": shown, "ETag": etag, "Content-Length": str(len(body))}
+        )
+        await resp.prepare(request)
+        if fault == "cut":
+            await resp.write(body[: len(body) // 2])
+            request.transport.close()  # type: ignore[union-attr]
+            return resp
+        if fault == "trickle":
+            for i in range(0, len(body), 64):
+                await resp.write(body[i : i + 64])
+                await asyncio.sleep(0.5)
+            return resp
+        await resp.write(body)
+        return resp
+
+    async def __aenter__(self) -> FileServer:
+        app = web.Application()
+        app.router.add_route("GET", "/{name:.*}", self.handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._runner.cleanup()
