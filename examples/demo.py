@@ -1,6 +1,7 @@
 """`make demo`: load the all-MiniLM-L6-v2 checkpoint shipped by a package and check it against
 transformers; then generate a Llama-shaped sharded checkpoint, stream it into a model with aload,
-check every tensor against safetensors, print the load reports.
+check every tensor against safetensors, stream it again over HTTP from a local Range server, and
+print the load reports.
 
     python examples/demo.py [--size-mib 256] [--budget-mib 64]
 """
@@ -11,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,6 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aload
 from aload.cli import ProgressBar
@@ -162,6 +166,18 @@ async def main(size_mib: int, budget_mib: int) -> None:
             f"layer 0 only: {r2.tensors} tensors, {r2.bytes_read / 1e6:.1f} MB read of "
             f"{report.bytes / 1e6:.1f} MB (the rest was never read); peak in flight {r2.peak_inflight_bytes / 2**20:.1f} MiB"
         )
+
+        print("\nstreaming the same checkpoint over HTTP from a local Range server (127.0.0.1) ...")
+        from examples.range_server import FileServer
+
+        async with FileServer() as srv:
+            srv.add_folder(folder)
+            fresh = empty_model(shapes, torch.bfloat16)
+            r3 = await aload.load(fresh, srv.url, max_inflight_bytes=budget_mib << 20, progress=ProgressBar())
+        print(r3.summary())
+        same = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), state.values(), strict=True))
+        print(f"over HTTP: {r3.tensors} tensors, identical to the local load: {same}")
+        assert same
 
 
 if __name__ == "__main__":

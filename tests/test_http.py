@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import aload
+from examples.range_server import FileServer
 
 from .conftest import collect, llama_like
-from .http_server import FileServer
 
 MiB = 1 << 20
 

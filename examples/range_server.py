@@ -1,4 +1,7 @@
-"""A real HTTP server on 127.0.0.1 for the tests: serves files with Range, and misbehaves on request.
+"""A small HTTP server on 127.0.0.1 that serves files with Range (aiohttp), for the demo and the
+tests; it misbehaves on request.
+
+    python examples/range_server.py FOLDER [--port 8765]
 
 ``faults[name]`` is a list of what to do to the next requests for ``name``, one entry each:
 "503" (answer 503), "cut" (send half the body, then drop the connection), "ignore-range" (answer
@@ -24,6 +27,12 @@ class FileServer:
     requests: list[tuple[str, str, str]] = field(default_factory=list)  # (method, name, Range)
     auth: str | None = None  # if set, the Authorization header every request must carry
     url: str = ""
+    _etags: dict[str, str] = field(default_factory=dict)
+
+    def etag(self, name: str) -> str:
+        if name not in self._etags:  # hashing a large file per request would dominate
+            self._etags[name] = '"' + hashlib.md5(self.files[name]).hexdigest() + '"'
+        return self._etags[name]
 
     def add_folder(self, folder: Path, prefix: str = "") -> None:
         for p in sorted(folder.iterdir()):
@@ -39,9 +48,10 @@ class FileServer:
         fault = self.faults.get(name, [None]).pop(0) if self.faults.get(name) else None
         if fault == "replace":
             self.files[name] = bytes(b ^ 0xFF for b in self.files[name])
+            self._etags.pop(name, None)
             fault = None
         data = self.files[name]
-        etag = '"' + hashlib.md5(data).hexdigest() + '"'
+        etag = self.etag(name)
         if fault == "503":
             return web.Response(status=503, text="busy")
         if_match = request.headers.get("If-Match")
@@ -82,3 +92,21 @@ class FileServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._runner.cleanup()
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Serve FOLDER's files over HTTP with Range on 127.0.0.1.")
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--port", type=int, default=8765)
+    a = ap.parse_args()
+    srv = FileServer()
+    srv.add_folder(a.folder)
+    app = web.Application()
+    app.router.add_route("GET", "/{name:.*}", srv.handle)
+    web.run_app(app, host="127.0.0.1", port=a.port)
+
+
+if __name__ == "__main__":
+    main()
