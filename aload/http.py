@@ -40,6 +40,27 @@ class _Retry(Exception):
     """A failure worth another attempt (connection, timeout, 5xx, 429, short body)."""
 
 
+async def backoff(attempt: int) -> None:
+    """Exponential backoff with jitter before attempt number ``attempt`` (0: no wait)."""
+    if attempt:
+        await asyncio.sleep(min(8.0, 0.1 * 2**attempt) * random.uniform(0.5, 1.0))
+
+
+def check_content_range(header: str | None, first: int, last: int, size: int | None, url: str) -> int:
+    """The total from ``bytes first-last/total``; anything else is an error naming the range."""
+    m = _CONTENT_RANGE.match(header or "")
+    if m is None or int(m.group(1)) != first or int(m.group(2)) != last or m.group(3) == "*":
+        raise SourceError(
+            f"Content-Range {header!r} does not match the requested bytes {first}-{last}",
+            url=url,
+            byte_range=(first, last + 1),
+        )
+    total = int(m.group(3))
+    if size is not None and total != size:
+        raise SourceError(f"object is now {total} bytes, was {size}: it changed during the load", url=url)
+    return total
+
+
 class HttpSource(Source):
     def __init__(self, store: HttpStore, url: str) -> None:
         self.url = redact(url)
@@ -57,7 +78,7 @@ class HttpSource(Source):
                     raise SourceError(
                         f"server answered {resp.status} to a ranged GET; aload needs Range support", url=self.url
                     )
-                _, _, total = self._content_range(resp, 0, 0)
+                total = self._content_range(resp, 0, 0)
                 self._etag = resp.headers.get("ETag")
                 self._modified = resp.headers.get("Last-Modified")
                 await resp.read()
@@ -96,14 +117,8 @@ class HttpSource(Source):
 
         await self._request(offset, offset + total - 1, body, progress=lambda: offset + done)
 
-    def _content_range(self, resp: aiohttp.ClientResponse, first: int, last: int) -> tuple[int, int, int]:
-        m = _CONTENT_RANGE.match(resp.headers.get("Content-Range", ""))
-        if m is None or int(m.group(1)) != first or int(m.group(2)) != last or m.group(3) == "*":
-            raise SourceError(
-                f"Content-Range {resp.headers.get('Content-Range')!r} does not match the requested bytes {first}-{last}",
-                url=self.url,
-                byte_range=(first, last + 1),
-            )
+    def _content_range(self, resp: aiohttp.ClientResponse, first: int, last: int) -> int:
+        total = check_content_range(resp.headers.get("Content-Range"), first, last, self._size, self.url)
         length = resp.headers.get("Content-Length")
         if length is not None and int(length) != last - first + 1:
             raise SourceError(
@@ -111,12 +126,7 @@ class HttpSource(Source):
                 url=self.url,
                 byte_range=(first, last + 1),
             )
-        total = int(m.group(3))
-        if self._size is not None and total != self._size:
-            raise SourceError(
-                f"object is now {total} bytes, was {self._size}: it changed during the load", url=self.url
-            )
-        return int(m.group(1)), int(m.group(2)), total
+        return total
 
     def _check_version(self, resp: aiohttp.ClientResponse, offset: int, n: int) -> None:
         etag, modified = resp.headers.get("ETag"), resp.headers.get("Last-Modified")
@@ -141,8 +151,7 @@ class HttpSource(Source):
         """GET bytes first..last with retries; a retry resumes from ``progress()`` when given."""
         cause: BaseException | None = None
         for attempt in range(self._store.retries):
-            if attempt:
-                await asyncio.sleep(min(8.0, 0.1 * 2**attempt) * random.uniform(0.5, 1.0))
+            await backoff(attempt)
             start = progress() if progress is not None else first
             try:
                 async with self._store.session().get(self._full, headers=self._headers(start, last)) as resp:
@@ -232,8 +241,7 @@ class HttpStore(Store):
     async def get(self, name: str, limit: int) -> bytes | None:
         url = self._url(name)
         for attempt in range(self.retries):
-            if attempt:
-                await asyncio.sleep(min(8.0, 0.1 * 2**attempt) * random.uniform(0.5, 1.0))
+            await backoff(attempt)
             try:
                 async with self.session().get(url) as resp:
                     if resp.status == 404:

@@ -33,6 +33,7 @@ STORES: dict[str, tuple[str, str | None]] = {
     "file": ("aload.sources:LocalStore", None),
     "http": ("aload.http:HttpStore", "http"),
     "https": ("aload.http:HttpStore", "http"),
+    "s3": ("aload.s3:S3Store", "s3"),
 }
 
 

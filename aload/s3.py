@@ -1,0 +1,210 @@
+"""S3 and S3-compatible object stores, through aiobotocore (botocore's signing on aiohttp).
+
+``s3://bucket/prefix/`` is a checkpoint folder (its index first, else a listing of
+``*.safetensors`` under the prefix); ``s3://bucket/key.safetensors`` is one shard. Endpoint,
+region and credentials come from the standard AWS environment variables and files unless given
+as options (``endpoint_url``, ``region``, ``access_key``, ``secret_key``, ``session_token``);
+path-style addressing is used when an endpoint is given (S3-compatible stores). Each object is
+pinned by its ETag (``IfMatch``) for the whole load; ranged reads are checked like HTTP's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiobotocore.config import AioConfig
+from aiobotocore.session import get_session
+from botocore.exceptions import BotoCoreError, ClientError
+
+from .errors import SourceError, UsageError
+from .http import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, backoff, check_content_range
+from .sources import Source, Store
+
+_RETRY_CODES = {"500", "502", "503", "504", "SlowDown", "InternalError", "RequestTimeout", "ServiceUnavailable", "429"}
+_GONE = {"NoSuchKey", "404", "NotFound"}
+_DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+class _Retry(Exception):
+    pass
+
+
+class S3Source(Source):
+    def __init__(self, store: S3Store, key: str) -> None:
+        self.url = f"s3://{store.bucket}/{key}"
+        self._store = store
+        self._key = key
+        self._size: int | None = None
+        self._etag: str | None = None
+
+    async def size(self) -> int:
+        if self._size is None:
+            head = await self._call("head_object", (0, 0), Bucket=self._store.bucket, Key=self._key)
+            self._size, self._etag = int(head["ContentLength"]), head.get("ETag")
+        return self._size
+
+    async def readinto(self, offset: int, buf: memoryview) -> None:
+        await self.size()
+        total, done = len(buf), 0
+        while done < total:  # a body that breaks off resumes from the bytes received
+            first, last = offset + done, offset + total - 1
+            extra = {"IfMatch": self._etag} if self._etag else {}
+            resp = await self._call(
+                "get_object",
+                (first, last + 1),
+                Bucket=self._store.bucket,
+                Key=self._key,
+                Range=f"bytes={first}-{last}",
+                **extra,
+            )
+            check_content_range(resp.get("ContentRange"), first, last, self._size, self.url)
+            if self._etag and resp.get("ETag") not in (None, self._etag):
+                raise SourceError(
+                    "object changed during the load (ETag differs)", url=self.url, byte_range=(first, last + 1)
+                )
+            try:
+                async with resp["Body"] as body:
+                    async for chunk in body.iter_chunks(1 << 20):
+                        if done + len(chunk) > total:
+                            raise SourceError(
+                                "store sent more bytes than the range holds",
+                                url=self.url,
+                                byte_range=(offset, offset + total),
+                            )
+                        buf[done : done + len(chunk)] = chunk
+                        done += len(chunk)
+            except (aiohttp.ClientError, asyncio.TimeoutError, BotoCoreError):
+                await backoff(1)  # resume where the body stopped
+
+    async def _call(self, op: str, byte_range: tuple[int, int], **kwargs: Any) -> Any:
+        cause: BaseException | None = None
+        for attempt in range(self._store.retries):
+            await backoff(attempt)
+            try:
+                client = await self._store.client()
+                return await getattr(client, op)(**kwargs)
+            except ClientError as exc:
+                code = _code(exc)
+                if code in ("PreconditionFailed", "412"):
+                    raise SourceError(
+                        "object changed during the load (IfMatch failed)", url=self.url, byte_range=byte_range
+                    ) from None
+                if code in _GONE or code == "NoSuchBucket":
+                    raise SourceError(f"not found ({code})", url=self.url) from None
+                if code in _DENIED:
+                    raise SourceError(f"access denied ({code})", url=self.url) from None
+                if code not in _RETRY_CODES:
+                    raise SourceError(f"{op} failed ({code})", url=self.url, byte_range=byte_range) from None
+                cause = exc
+            except (aiohttp.ClientError, asyncio.TimeoutError, BotoCoreError) as exc:
+                cause = exc
+        raise SourceError(
+            f"gave up after {self._store.retries} attempts; last: {type(cause).__name__}",
+            url=self.url,
+            byte_range=byte_range,
+        ) from cause
+
+
+class S3Store(Store):
+    def __init__(
+        self,
+        url: str,
+        *,
+        concurrency: int,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        session_token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retries: int = DEFAULT_RETRIES,
+    ) -> None:
+        parts = urlsplit(url)
+        if not parts.netloc:
+            raise UsageError("s3 URLs name a bucket: s3://bucket/prefix/", url=url)
+        self.bucket = parts.netloc
+        self.prefix = parts.path.lstrip("/")
+        self.url = f"s3://{self.bucket}/{self.prefix}"
+        self.retries = retries
+        endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        self._client_args: dict[str, Any] = {
+            "endpoint_url": endpoint,
+            "region_name": region
+            or os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION")
+            or "us-east-1",
+            "aws_access_key_id": access_key,
+            "aws_secret_access_key": secret_key,
+            "aws_session_token": session_token,
+            "config": AioConfig(
+                s3={"addressing_style": "path" if endpoint else "auto"},
+                retries={"max_attempts": 1, "mode": "standard"},  # aload retries and resumes itself
+                connect_timeout=timeout,
+                read_timeout=timeout,
+                max_pool_connections=concurrency + 2,
+            ),
+        }
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._client: Any = None
+        self._sources: dict[str, S3Source] = {}
+
+    async def client(self) -> Any:
+        if self._client is None:
+            self._stack = contextlib.AsyncExitStack()
+            self._client = await self._stack.enter_async_context(get_session().create_client("s3", **self._client_args))
+        return self._client
+
+    def _key(self, name: str) -> str:
+        if name == "":
+            return self.prefix
+        return f"{self.prefix.rstrip('/')}/{name}" if self.prefix else name
+
+    async def kind(self) -> str:
+        return "file" if self.prefix.endswith(".safetensors") else "folder"
+
+    def source(self, name: str) -> Source:
+        if name not in self._sources:
+            self._sources[name] = S3Source(self, self._key(name))
+        return self._sources[name]
+
+    async def list(self, suffix: str) -> list[str]:
+        prefix = self.prefix.rstrip("/") + "/" if self.prefix else ""
+        names: list[str] = []
+        token: str | None = None
+        while True:
+            extra = {"ContinuationToken": token} if token else {}
+            resp = await S3Source(self, prefix)._call(
+                "list_objects_v2", (0, 0), Bucket=self.bucket, Prefix=prefix, Delimiter="/", **extra
+            )
+            names += [o["Key"][len(prefix) :] for o in resp.get("Contents", []) if o["Key"].endswith(suffix)]
+            token = resp.get("NextContinuationToken")
+            if not token:
+                return sorted(names)
+
+    async def get(self, name: str, limit: int) -> bytes | None:
+        src = S3Source(self, self._key(name))
+        try:
+            resp = await src._call("get_object", (0, limit), Bucket=self.bucket, Key=src._key)
+        except SourceError as exc:
+            if "not found" in exc.message and "NoSuchBucket" not in exc.message:
+                return None
+            raise
+        if int(resp.get("ContentLength", 0)) > limit:
+            raise SourceError(f"larger than the {limit}-byte limit for this file", url=src.url)
+        async with resp["Body"] as body:
+            data: bytes = await body.read()
+        return data
+
+    async def aclose(self) -> None:
+        if self._stack is not None:
+            await self._stack.aclose()
+            self._stack, self._client = None, None
