@@ -71,7 +71,6 @@ class Arena:
         self.used = 0
         self._pin = pin
         self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (start, end)
-        self._cursor = 0
         self._array: np.ndarray[Any, Any] | None = None
 
     def array(self) -> np.ndarray[Any, Any]:
@@ -80,24 +79,15 @@ class Arena:
         return self._array
 
     def alloc(self, n: int) -> int | None:
-        """Next fit: search from where the last region ended, wrapping once. Units are mostly
-        released in the order they were allocated, so the arena behaves as a ring and does not
-        fragment the way first fit does (first fit refills holes between live regions)."""
+        """First fit: the lowest free region that holds ``n``. Streams release units in about the
+        order they were allocated, so the low regions come free again first, and the arena's
+        touched part stays near the bytes really in flight (first touches of fresh pages are
+        what the arena exists to avoid) rather than sweeping the whole budget."""
         size = -(-n // _ALIGN) * _ALIGN
-        k = len(self._free)
-        first = bisect.bisect(self._free, (self._cursor, self._cursor))
-        first = first - 1 if first and self._free[first - 1][1] > self._cursor else first
-        for j in range(k + 1):  # the last try revisits the first interval from its start (the wrap)
-            i = (first + j) % k if k else 0
-            if not k:
-                break
-            start, end = self._free[i]
-            start = max(start, self._cursor) if j == 0 and start < self._cursor < end else start
+        for i, (start, end) in enumerate(self._free):
             if end - start >= size:
-                pieces = [(a, b) for a, b in ((self._free[i][0], start), (start + size, end)) if b > a]
-                self._free[i : i + 1] = pieces
+                self._free[i : i + 1] = [(start + size, end)] if end - start > size else []
                 self.used += size
-                self._cursor = start + size
                 return start
         return None
 
