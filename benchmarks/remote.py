@@ -78,7 +78,11 @@ async def raw_aiohttp(urls: list[str], sizes: list[int]) -> int:
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONNS)) as s:
         await asyncio.gather(
-            *(one(s, u, off, min(CHUNK, n - off)) for u, n in zip(urls, sizes) for off in range(0, n, CHUNK))
+            *(
+                one(s, u, off, min(CHUNK, n - off))
+                for u, n in zip(urls, sizes, strict=True)
+                for off in range(0, n, CHUNK)
+            )
         )
     return sum(sizes)
 
@@ -109,7 +113,7 @@ async def raw_aiobotocore(endpoint: str, keys: list[str], sizes: list[int]) -> i
                         got += len(chunk)
 
         await asyncio.gather(
-            *(one(k, off, min(CHUNK, n - off)) for k, n in zip(keys, sizes) for off in range(0, n, CHUNK))
+            *(one(k, off, min(CHUNK, n - off)) for k, n in zip(keys, sizes, strict=True) for off in range(0, n, CHUNK))
         )
     return sum(sizes)
 
