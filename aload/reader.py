@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import ctypes
+import sys
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._threads import run_in_thread
 from .errors import UsageError
 from .plan import Item, Plan, Unit
 from .sources import Source
@@ -71,6 +74,7 @@ class Arena:
         self.used = 0
         self._pin = pin
         self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (start, end)
+        self.warm = 0 if not pin else capacity  # [0, warm) has been faulted in (pinned memory is)
         self._array: np.ndarray[Any, Any] | None = None
 
     def array(self) -> np.ndarray[Any, Any]:
@@ -102,6 +106,25 @@ class Arena:
             start = self._free.pop(i - 1)[0]
             i -= 1
         self._free.insert(i, (start, end))
+
+
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+if _libc is not None:
+    _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_PAGE = 4096
+
+
+def prefault(arr: np.ndarray[Any, Any], start: int, end: int) -> None:
+    """Fault in [start, end) of a fresh buffer in one call, off the event loop. First touches of
+    fresh pages, one trap each, cost ~1.4 s per 512 MiB in a new process on the VM this was
+    measured on; one MADV_POPULATE_WRITE over the range cost ~0.2 s. Contents are unchanged."""
+    if _libc is None or end <= start:
+        return
+    # Whole pages around the range: populating a page does not change what it holds.
+    lo = (arr.ctypes.data + start) // _PAGE * _PAGE
+    hi = -(-(arr.ctypes.data + end) // _PAGE) * _PAGE
+    _libc.madvise(ctypes.c_void_p(lo), hi - lo, _MADV_POPULATE_WRITE)  # on failure pages fault as before
 
 
 def _host_array(n: int, pin: bool) -> np.ndarray[Any, Any]:
@@ -295,6 +318,8 @@ class Reader:
     async def _read(self, unit: Unit, lease: Lease | None) -> None:
         if unit.nbytes == 0:
             return
+        if lease is not None and lease.kind != MAPPED:
+            await self._prefault(lease)
         if lease is not None and lease.kind == MAPPED:
             buf = None  # zero copy: reading is bringing the file's pages in
         else:
@@ -305,6 +330,18 @@ class Reader:
         await asyncio.gather(*(self._read_chunk(unit, buf, off, n) for off, n in unit.chunks(self._chunk)))
         if unit.dest is not None:
             self.stats.direct_bytes += unit.nbytes
+
+    async def _prefault(self, lease: Lease) -> None:
+        """Fault in the parts of a lease's buffer never used before, in one call on a thread."""
+        if self._pin:
+            return
+        if lease.kind == OUTSIDE:
+            assert lease.tensor is not None
+            await run_in_thread(prefault, lease.tensor.numpy(), 0, lease.nbytes)
+        elif lease.start + lease.nbytes > self._arena.warm:
+            lo, hi = max(lease.start, self._arena.warm), lease.start + lease.nbytes
+            self._arena.warm = max(self._arena.warm, hi)
+            await run_in_thread(prefault, self._arena.array(), lo, hi)
 
     async def _read_chunk(self, unit: Unit, buf: memoryview | None, off: int, n: int) -> None:
         async with self._gate:
