@@ -166,6 +166,11 @@ class HttpSource(Source):
                     if resp.status in _RETRY_STATUS:
                         raise _Retry(f"{resp.status} {resp.reason}")
                     return await handle(resp)
+            except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError) as exc:
+                raise SourceError(
+                    f"TLS certificate not trusted ({exc.__class__.__name__}); pass ca_bundle= for a private CA",
+                    url=self.url,
+                ) from exc
             except (_Retry, aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 cause = exc
         raise SourceError(

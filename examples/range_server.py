@@ -16,6 +16,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -26,6 +27,7 @@ class FileServer:
     faults: dict[str, list[str]] = field(default_factory=dict)
     requests: list[tuple[str, str, str]] = field(default_factory=list)  # (method, name, Range)
     auth: str | None = None  # if set, the Authorization header every request must carry
+    ssl: Any = None  # an ssl.SSLContext to serve HTTPS
     url: str = ""
     _etags: dict[str, str] = field(default_factory=dict)
 
@@ -84,10 +86,10 @@ class FileServer:
         app.router.add_route("GET", "/{name:.*}", self.handle)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self.ssl)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'https' if self.ssl else 'http'}://127.0.0.1:{port}"
         return self
 
     async def __aexit__(self, *exc: object) -> None:

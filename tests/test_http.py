@@ -115,3 +115,26 @@ async def test_missing_object_and_credentials_never_printed(folder: Path) -> Non
         assert ok
         with pytest.raises(aload.SourceError, match="404"):
             await aload.open(srv.url + "/nope.safetensors", token="s3cr3t-token")
+
+
+async def test_https_refuses_an_untrusted_certificate_and_accepts_a_given_ca(
+    tmp_path: Path, write: Callable[..., Path]
+) -> None:
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(server_ctx)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    path = write({"w": torch.arange(6.0)})
+    async with FileServer(ssl=server_ctx) as srv:
+        srv.files["model.safetensors"] = path.read_bytes()
+        assert srv.url.startswith("https://")
+        with pytest.raises(aload.SourceError, match="TLS certificate not trusted"):
+            await aload.open(srv.url + "/model.safetensors")
+        got = await collect(aload.stream(srv.url + "/model.safetensors", ca_bundle=str(ca_file)))
+    assert torch.equal(got["w"], torch.arange(6.0))
