@@ -49,4 +49,5 @@ async def run_in_thread(fn: Callable[..., T], *args: Any) -> T:
     finally:
         if not fut.done():
             await asyncio.wait([fut])
-        thread.join()
+        while thread.is_alive():  # it is exiting; joining here could hold the loop for ms
+            await asyncio.sleep(0.0005)

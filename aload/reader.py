@@ -29,10 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._threads import run_in_thread
 from .errors import UsageError
 from .plan import Item, Plan, Unit
-from .sources import Source
+from .sources import IOPool, Source
 
 DEFAULT_MAX_INFLIGHT_BYTES = 512 * 1024 * 1024
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
@@ -226,6 +225,7 @@ class Reader:
         self._t0 = time.perf_counter() if t0 is None else t0
         self._producer: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._helper = IOPool(1)  # one thread for prefaults, started on first use
 
     # -- budget ---------------------------------------------------------------------------
     def poke(self) -> None:
@@ -337,11 +337,11 @@ class Reader:
             return
         if lease.kind == OUTSIDE:
             assert lease.tensor is not None
-            await run_in_thread(prefault, lease.tensor.numpy(), 0, lease.nbytes)
+            await self._helper.run(prefault, lease.tensor.numpy(), 0, lease.nbytes)
         elif lease.start + lease.nbytes > self._arena.warm:
             lo, hi = max(lease.start, self._arena.warm), lease.start + lease.nbytes
             self._arena.warm = max(self._arena.warm, hi)
-            await run_in_thread(prefault, self._arena.array(), lo, hi)
+            await self._helper.run(prefault, self._arena.array(), lo, hi)
 
     async def _read_chunk(self, unit: Unit, buf: memoryview | None, off: int, n: int) -> None:
         async with self._gate:
@@ -405,6 +405,7 @@ class Reader:
             await asyncio.wait(pending)
         while not self._queue.empty():  # drop queued leases so their memory returns
             self._queue.get_nowait()
+        await self._helper.aclose()
 
 
 def _check_positive(**values: int) -> None:
