@@ -139,18 +139,20 @@ async def _bench(args: argparse.Namespace) -> int:
             f"--chunk-bytes {best['chunk_bytes']} ({best['gbps']:.2f} GB/s)"
         )
     else:
-        bar = None if args.quiet else ProgressBar()
-        rows = [
-            await bench_stream(
-                args.path,
-                max_inflight_bytes=args.budget,
-                concurrency=args.concurrency,
-                chunk_bytes=args.chunk_bytes,
-                progress=bar,
-                **options,
+        rows = []
+        for i in range(args.repeat):  # repeats in one process: the later runs reuse what the first set up
+            bar = None if args.quiet else ProgressBar()
+            rows.append(
+                await bench_stream(
+                    args.path,
+                    max_inflight_bytes=args.budget,
+                    concurrency=args.concurrency,
+                    chunk_bytes=args.chunk_bytes,
+                    progress=bar,
+                    **options,
+                )
             )
-        ]
-        print(describe(rows[0]))
+            print(("" if args.repeat == 1 else f"run {i + 1}: ") + describe(rows[-1]))
     if args.json:
         with builtins_open(args.json, "w") as f:
             f.write("".join(json.dumps(r) + "\n" for r in rows))
@@ -184,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--budget-sweep", default="128m,512m", help="budgets to try (bytes, or NNm for MiB)")
     p_bench.add_argument("--concurrency-sweep", default="1,2,4,8")
     p_bench.add_argument("--chunk-sweep", default="4m,16m,64m")
+    p_bench.add_argument("--repeat", type=int, default=1, help="stream it this many times in one process")
     p_bench.add_argument("--json", help="write the row(s) here, one JSON object per line")
     p_bench.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)

@@ -186,6 +186,7 @@ def main() -> None:
     ap.add_argument("--base", help=argparse.SUPPRESS)
     ap.add_argument("--names", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.out = a.out / f"{a.size_gib:g}g"  # nginx's root: the bucket folder inside it
     ckpt = a.out / BUCKET / "ckpt"
     if a.run:
         names = a.names.split(",")

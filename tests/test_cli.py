@@ -38,10 +38,12 @@ def test_bench_prints_figures_and_writes_rows(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     save_file({f"t{i}": torch.randn(64, 64) for i in range(8)}, str(path))
     out = tmp_path / "rows.jsonl"
-    done = run("bench", str(path), "--json", str(out), "--budget", "65536")
+    done = run("bench", str(path), "--json", str(out), "--budget", "65536", "--repeat", "2")
     assert done.returncode == 0, done.stderr
-    assert "GB/s" in done.stdout and "loop lateness p50" in done.stdout
-    row = json.loads(out.read_text())
+    assert "run 2: " in done.stdout and "loop lateness p50" in done.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2
+    row = rows[0]
     assert row["tensors"] == 8 and row["bytes"] == 8 * 64 * 64 * 4 and row["max_inflight_bytes"] == 65536
     for key in (
         "seconds",
