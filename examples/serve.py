@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -32,6 +33,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aload
+from aload.sources import open_store
 from examples.engine_llama import Config, EngineLlama
 
 ModelFactory = Callable[[Path], nn.Module]
@@ -42,6 +44,22 @@ def engine_llama_factory(folder: Path) -> nn.Module:
     from transformers import LlamaConfig
 
     return EngineLlama(Config.from_hf(LlamaConfig.from_pretrained(folder)))
+
+
+async def config_folder(checkpoint: str, tmp: Path) -> Path:
+    """A local folder holding the checkpoint's config.json: the checkpoint itself when local,
+    else ``tmp`` with config.json fetched through aload's source for the URL (http(s), s3)."""
+    if "://" not in checkpoint or checkpoint.startswith("file://"):
+        return Path(checkpoint.removeprefix("file://"))
+    store = open_store(checkpoint, concurrency=2)
+    try:
+        data = await store.get("config.json", 1 << 20)
+    finally:
+        await store.aclose()
+    if data is None:
+        raise aload.CheckpointError("no config.json beside the weights", url=checkpoint)
+    (tmp / "config.json").write_bytes(data)
+    return tmp
 
 
 class Server:
@@ -64,7 +82,9 @@ class Server:
 
     async def _load(self, checkpoint: str) -> None:
         try:
-            model = await asyncio.to_thread(self.factory, Path(checkpoint))
+            with tempfile.TemporaryDirectory() as tmp:
+                folder = await config_folder(checkpoint, Path(tmp))
+                model = await asyncio.to_thread(self.factory, folder)
             report = await aload.load(model, checkpoint, progress=self._on_progress)
             model.eval()
             self.model, self.checkpoint = model, checkpoint  # the swap

@@ -13,6 +13,7 @@ import pytest
 import torch
 from aiohttp import web
 
+from examples.range_server import FileServer
 from examples.serve import Server, engine_llama_factory
 
 from .conftest import hf_llama
@@ -114,16 +115,26 @@ async def test_serves_while_loading_and_swaps_atomically(checkpoints: dict[str, 
             await generate()
             assert answers[-1] == {"version": 2, "next": checkpoints["b"][1]}
 
-            # 4. a cancelled reload: the same
+            # 4. a reload from a remote checkpoint (HTTP): config.json and weights come over the wire
+            async with FileServer() as origin:
+                origin.add_folder(Path(checkpoints["a"][0]))
+                async with http.post(f"{base}/reload", json={"checkpoint": origin.url}) as r:
+                    assert r.status == 202
+                state = await health_until(lambda s: not s["loading"])
+            assert state["version"] == 3 and state["error"] is None and state["checkpoint"] == origin.url, state
+            await generate()
+            assert answers[-1] == {"version": 3, "next": checkpoints["a"][1]}
+
+            # 5. a cancelled reload: the old weights keep serving
             async with http.post(f"{base}/reload", json={"checkpoint": checkpoints["a"][0]}) as r:
                 assert r.status == 202
             async with http.delete(f"{base}/reload") as r:
-                assert r.status == 200 and (await r.json())["version"] == 2
+                assert r.status == 200 and (await r.json())["version"] == 3
             async with http.get(f"{base}/ready") as r:
                 state = await r.json()
-            assert state["version"] == 2 and not state["loading"] and "cancelled" in state["error"], state
+            assert state["version"] == 3 and not state["loading"] and "cancelled" in state["error"], state
             await generate()
-            assert answers[-1] == {"version": 2, "next": checkpoints["b"][1]}
+            assert answers[-1] == {"version": 3, "next": checkpoints["a"][1]}
     finally:
         await runner.cleanup()
     print(
