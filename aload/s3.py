@@ -34,10 +34,6 @@ def _code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
 
-class _Retry(Exception):
-    pass
-
-
 class S3Source(Source):
     def __init__(self, store: S3Store, key: str) -> None:
         self.url = f"s3://{store.bucket}/{key}"
@@ -55,7 +51,10 @@ class S3Source(Source):
     async def readinto(self, offset: int, buf: memoryview) -> None:
         await self.size()
         total, done = len(buf), 0
-        while done < total:  # a body that breaks off resumes from the bytes received
+        for attempt in range(self._store.retries):  # a body that breaks off resumes from the bytes received
+            if done == total:
+                return
+            await backoff(attempt)
             first, last = offset + done, offset + total - 1
             extra = {"IfMatch": self._etag} if self._etag else {}
             resp = await self._call(
@@ -83,7 +82,13 @@ class S3Source(Source):
                         buf[done : done + len(chunk)] = chunk
                         done += len(chunk)
             except (aiohttp.ClientError, asyncio.TimeoutError, BotoCoreError):
-                await backoff(1)  # resume where the body stopped
+                pass  # resume where the body stopped, on the next attempt
+        if done < total:
+            raise SourceError(
+                f"body broke off {self._store.retries} times; {done} of {total} bytes received",
+                url=self.url,
+                byte_range=(offset, offset + total),
+            )
 
     async def _call(self, op: str, byte_range: tuple[int, int], **kwargs: Any) -> Any:
         cause: BaseException | None = None
