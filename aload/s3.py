@@ -30,6 +30,18 @@ _GONE = {"NoSuchKey", "404", "NotFound"}
 _DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
 
 
+_SESSION: Any = None
+
+
+def _session() -> Any:
+    """One botocore session per process: its loader caches the service models, which take tens of
+    milliseconds to load (on the event loop, inside create_client) the first time only."""
+    global _SESSION
+    if _SESSION is None:
+        _SESSION = get_session()
+    return _SESSION
+
+
 def _code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
@@ -165,7 +177,7 @@ class S3Store(Store):
     async def client(self) -> Any:
         if self._client is None:
             self._stack = contextlib.AsyncExitStack()
-            self._client = await self._stack.enter_async_context(get_session().create_client("s3", **self._client_args))
+            self._client = await self._stack.enter_async_context(_session().create_client("s3", **self._client_args))
         return self._client
 
     def _key(self, name: str) -> str:

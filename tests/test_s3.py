@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,15 @@ def s3() -> Iterator[dict[str, Any]]:
         region_name="us-east-1",
     )
     client.create_bucket(Bucket=BUCKET)
+
+    async def warm() -> None:  # the first aiobotocore client loads botocore's models (once per process)
+        async with aload.open(f"s3://{BUCKET}/", **opts) as _:
+            pass
+
+    try:
+        asyncio.run(warm())
+    except aload.AloadError:
+        pass  # an empty bucket: nothing to open, the models are loaded all the same
     try:
         yield {"opts": opts, "client": client}
     finally:
