@@ -107,6 +107,7 @@ async def bench_stream(
         "gbps": st.bytes / seconds / 1e9 if seconds > 0 else 0.0,
         "ttft_s": st.ttft_s,
         "cpu_s": time.process_time() - cpu0,
+        "verified_shards": st.verified_shards,
         "max_inflight_bytes": max_inflight_bytes,
         "concurrency": concurrency,
         "chunk_bytes": chunk_bytes,
@@ -131,6 +132,7 @@ def describe(row: dict[str, Any]) -> str:
         f"first tensor {ttft}; peak memory +{row['peak_rss_delta_bytes'] / 2**20:.0f} MiB RSS "
         f"(+{row['peak_anon_delta_bytes'] / 2**20:.0f} MiB anonymous); loop lateness p50 "
         f"{row['loop_lag_p50_ms']:.2f} ms, p99 {row['loop_lag_p99_ms']:.2f} ms"
+        + (f"; SHA-256 verified for {row['verified_shards']} shard(s)" if row.get("verified_shards") else "")
     )
 
 

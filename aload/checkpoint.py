@@ -42,6 +42,8 @@ class Shard:
     size: int
     metadata: dict[str, str]
     specs: tuple[TensorSpec, ...]
+    #: The file's first bytes: length prefix and header (what a digest of the file starts with).
+    head: bytes = field(default=b"", repr=False, compare=False)
 
 
 @dataclass
@@ -152,12 +154,13 @@ async def _read_shard(store: Store, name: str) -> Shard:
     raw = head[8 : 8 + n]
     if len(raw) < n:
         raw += await src.read(len(head), 8 + n - len(head))
+    prefix = head[:8] + raw
     header: Header = (
         parse_header(raw, size, src.url)
         if n <= _INLINE_PARSE_BYTES
         else await run_in_thread(parse_header, raw, size, src.url)
     )
-    return Shard(name, src.url, size, header.metadata, header.specs)
+    return Shard(name, src.url, size, header.metadata, header.specs, prefix)
 
 
 def _parse_index(raw: bytes, url: str) -> tuple[dict[str, str], dict[str, Any]]:

@@ -80,6 +80,8 @@ async def _load(args: argparse.Namespace) -> int:
     opts: dict[str, Any] = dict(
         max_inflight_bytes=args.budget, concurrency=args.concurrency, chunk_bytes=args.chunk_bytes, progress=bar
     )
+    if args.verify:
+        opts["verify"] = args.verify
     if args.model:
         report = await load(_factory(args.model), args.path, strict=not args.non_strict, **opts)
         row: dict[str, Any] = asdict(report)
@@ -103,6 +105,7 @@ async def _load(args: argparse.Namespace) -> int:
             "ttft_s",
             "peak_inflight_bytes",
             "budget_wait_s",
+            "verified_shards",
         ):
             print(f"{key:>20}: {row.get(key)}")
     return 0
@@ -120,6 +123,8 @@ async def _bench(args: argparse.Namespace) -> int:
     from .bench import bench_stream, describe, sweep
 
     options: dict[str, Any] = {"read": args.read} if args.read else {}
+    if args.verify:
+        options["verify"] = args.verify
     if args.sweep:
         rows = await sweep(
             args.path,
@@ -159,6 +164,12 @@ async def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+_VERIFY_HELP = (
+    "check each shard's SHA-256 while streaming, against a sha256sum file, a JSON name->digest map, "
+    "Hugging Face model info (?blobs=true), or Git LFS pointer(s)"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aload", description="Stream safetensors checkpoints into PyTorch.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -173,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p_load.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY)
     p_load.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     p_load.add_argument("--json", action="store_true")
+    p_load.add_argument("--verify", metavar="MANIFEST", help=_VERIFY_HELP)
     p_load.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p_bench = sub.add_parser(
         "bench", help="measure streaming your checkpoint: throughput, first tensor, memory, loop lateness"
@@ -186,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--budget-sweep", default="128m,512m", help="budgets to try (bytes, or NNm for MiB)")
     p_bench.add_argument("--concurrency-sweep", default="1,2,4,8")
     p_bench.add_argument("--chunk-sweep", default="4m,16m,64m")
+    p_bench.add_argument("--verify", metavar="MANIFEST", help=_VERIFY_HELP)
     p_bench.add_argument("--repeat", type=int, default=1, help="stream it this many times in one process")
     p_bench.add_argument("--json", help="write the row(s) here, one JSON object per line")
     p_bench.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

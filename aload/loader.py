@@ -23,6 +23,7 @@ from .bridge import LoadCancelled, SyncBridge
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint
 from .errors import AloadError, LoadError, UsageError, add_note
 from .format import TensorSpec
+from .integrity import Manifest
 from .pipeline import TensorStream
 from .reader import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, Progress
 from .stages import Pair, Stage
@@ -58,6 +59,7 @@ class LoadReport:
     installed: int
     missing: list[str]
     unexpected: list[str]
+    verified_shards: int = 0  # shards whose SHA-256 matched (``verify=``)
 
     def summary(self) -> str:
         ttft = f"{self.ttft_s * 1e3:.1f} ms" if self.ttft_s is not None else "-"
@@ -67,6 +69,7 @@ class LoadReport:
             f"{self.peak_inflight_bytes / 2**20:.1f} MiB; load {self.load_s:.3f} s, "
             f"post-processing {self.postprocess_s:.3f} s; missing {len(self.missing)}, "
             f"unexpected {len(self.unexpected)}"
+            + (f"; SHA-256 verified for {self.verified_shards} shard(s)" if self.verified_shards else "")
         )
 
 
@@ -232,6 +235,7 @@ async def load(
     after_load: Sequence[Hook] = (),
     after_postprocess: Sequence[Hook] = (),
     progress: Callable[[Progress], None] | None = None,
+    verify: Manifest | None = None,
     **options: Any,
 ) -> LoadReport:
     """Stream ``source`` into ``model`` and post-process it; returns a ``LoadReport``.
@@ -253,6 +257,7 @@ async def load(
         chunk_bytes=chunk_bytes,
         progress=progress,
         options=options,
+        verify=verify,
         destinations=loader.destinations(model, dev),
         pin=cuda is not None,
         release_event=(lambda: _recorded_event(cuda)) if cuda is not None else None,
@@ -289,6 +294,7 @@ async def load(
         installed=len(done.names),
         missing=done.missing,
         unexpected=done.unexpected,
+        verified_shards=stats.verified_shards,
     )
 
 

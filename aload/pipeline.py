@@ -9,6 +9,7 @@ from types import TracebackType
 from typing import Any
 
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint, _open
+from .integrity import Manifest, ShardHash, digests_for
 from .plan import DestFn, make_plan
 from .reader import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, Progress, Reader, ReaderStats, _check_positive
 from .stages import Pair, Stage, split_for_plan
@@ -35,6 +36,7 @@ class TensorStream:
         pin: bool = False,
         release_event: Callable[[], Any] | None = None,
         t0: float | None = None,
+        verify: Manifest | None = None,
     ) -> None:
         _check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency, chunk_bytes=chunk_bytes)
         self._source = source
@@ -50,7 +52,10 @@ class TensorStream:
         )
         self._concurrency = concurrency
         self._chunk_bytes, self._budget = chunk_bytes, max_inflight_bytes
-        self._options = options or {}
+        self._options = dict(options or {})
+        self._verify = verify if verify is not None else self._options.pop("verify", None)
+        if self._verify is False:
+            self._verify = None
         # Reading straight into a destination skips tensor stages, so only without them.
         self._dest = destinations if not self._stages else None
         self._t0 = time.perf_counter() if t0 is None else t0
@@ -71,8 +76,12 @@ class TensorStream:
             self.checkpoint = await _open(os.fspath(self._source), concurrency=self._concurrency, **self._options)  # type: ignore[arg-type]
         # Coalesced units stay well under the budget, so several are in flight at once.
         group = min(self._chunk_bytes, max(1, self._budget // 4))
-        plan = make_plan(self.checkpoint, self._names, self._dest, group)
-        self.reader = Reader(plan, **self._reader_args)
+        hashes = None
+        if self._verify is not None:
+            digests = await digests_for(self._verify, self.checkpoint)
+            hashes = {s.url: ShardHash(s, digests[s.url]) for s in self.checkpoint.shards}
+        plan = make_plan(self.checkpoint, self._names, self._dest, group, read_all=hashes is not None)
+        self.reader = Reader(plan, hashes=hashes, **self._reader_args)
         it: AsyncIterator[Pair] = self.reader.items()
         self._chain = [it]
         for stage in self._stages:
@@ -85,8 +94,8 @@ class TensorStream:
     async def __anext__(self) -> Pair:
         if self._closed:
             raise StopAsyncIteration
-        await self.start()
         try:
+            await self.start()
             return await self._chain[-1].__anext__()
         except BaseException:
             await self.aclose()
@@ -130,14 +139,18 @@ def stream(
     concurrency: int = DEFAULT_CONCURRENCY,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: Callable[[Progress], None] | None = None,
+    verify: Manifest | None = None,
     **options: Any,
 ) -> TensorStream:
     """Stream ``(name, tensor)`` pairs from a path, URL or open ``Checkpoint``.
 
     ``max_inflight_bytes`` (default 512 MiB) bounds the bytes read and not yet released by the
     consumer; ``concurrency`` (default: one per core, 2 to 8) bounds the reads in flight;
-    ``chunk_bytes`` (default 16 MiB) is the largest single read. Other keyword options go to the
-    source.
+    ``chunk_bytes`` (default 16 MiB) is the largest single read. ``verify`` (a mapping of shard
+    name to SHA-256, or a manifest file: see ``aload.integrity``) checks every shard's digest
+    from the bytes as they stream; every byte is then read, dropped tensors included, and a
+    mismatch raises ``CheckpointError`` before the shard's last unit is delivered. Other keyword
+    options go to the source.
     """
     return TensorStream(
         source,
@@ -147,4 +160,5 @@ def stream(
         chunk_bytes=chunk_bytes,
         progress=progress,
         options=options,
+        verify=verify,
     )

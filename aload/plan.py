@@ -33,6 +33,7 @@ class Item:
     spec: TensorSpec
     name: str
     offset: int  # within the unit
+    skip: bool = False  # read (for a digest) but not delivered
 
 
 @dataclass
@@ -58,26 +59,34 @@ class Plan:
     nbytes: int
 
 
-def make_plan(ckpt: Checkpoint, names: NameFn | None, dest: DestFn | None, chunk_bytes: int) -> Plan:
+def make_plan(
+    ckpt: Checkpoint, names: NameFn | None, dest: DestFn | None, chunk_bytes: int, read_all: bool = False
+) -> Plan:
+    """``read_all``: read dropped tensors too (without delivering them), so that every byte of
+    every shard passes through in file order, as a digest needs."""
     units: list[Unit] = []
     tensors = nbytes = 0
     group: Unit | None = None
     for spec in ckpt.specs.values():
         name = names(spec.name) if names is not None else spec.name
+        skip = name is None
         if name is None:
-            group = None  # the gap it leaves is never read
-            continue
-        tensors += 1
-        nbytes += spec.nbytes
-        target = dest(name, spec) if dest is not None and spec.nbytes >= DIRECT_MIN_BYTES else None
+            if not read_all:
+                group = None  # the gap it leaves is never read
+                continue
+            name = spec.name
+        else:
+            tensors += 1
+            nbytes += spec.nbytes
+        target = dest(name, spec) if dest is not None and not skip and spec.nbytes >= DIRECT_MIN_BYTES else None
         if target is not None or spec.nbytes > chunk_bytes:
-            units.append(Unit(ckpt.source(spec), spec.start, spec.nbytes, [Item(spec, name, 0)], target))
+            units.append(Unit(ckpt.source(spec), spec.start, spec.nbytes, [Item(spec, name, 0, skip)], target))
             group = None
             continue
         if group is None or not _joins(group, spec, chunk_bytes):
             group = Unit(ckpt.source(spec), spec.start)
             units.append(group)
-        group.items.append(Item(spec, name, spec.start - group.start))
+        group.items.append(Item(spec, name, spec.start - group.start, skip))
         group.nbytes = spec.end - group.start
     return Plan(units, tensors, nbytes)
 

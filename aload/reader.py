@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .errors import UsageError
+from .integrity import ShardHash
 from .plan import Item, Plan, Unit
 from .sources import IOPool, Source
 
@@ -53,6 +54,7 @@ class ReaderStats:
     budget_wait_s: float = 0.0
     overdraft_bytes: int = 0
     ttft_s: float | None = None
+    verified_shards: int = 0  # shards whose SHA-256 matched the manifest
 
 
 @dataclass(frozen=True)
@@ -211,9 +213,15 @@ class Reader:
         release_event: Callable[[], Any] | None = None,
         progress: Callable[[Progress], None] | None = None,
         t0: float | None = None,
+        hashes: dict[str, ShardHash] | None = None,
     ) -> None:
         _check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency, chunk_bytes=chunk_bytes)
         self.plan = plan
+        # Digests: shard URL -> running hash; the plan must cover every byte (make_plan read_all).
+        self._hashes = hashes
+        self._hash_tail: dict[str, asyncio.Task[None]] = {}
+        self._last_unit = {u.items[0].spec.shard: u for u in plan.units if u.items}
+        self._hasher = IOPool(1)
         self.stats = ReaderStats()
         # Whether the final consumer is blocked waiting for a tensor. For plain `async for`,
         # waiting on the reader is that; a bridge to a thread replaces it with its own probe.
@@ -332,6 +340,8 @@ class Reader:
             task = asyncio.ensure_future(self._read(unit, lease))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            if self._hashes is not None and unit.items:
+                task = self._chain_hash(task, unit, lease)
             await self._queue.put((unit, lease, task))
             del lease
         await self._queue.put(None)
@@ -352,6 +362,38 @@ class Reader:
         await asyncio.gather(*(self._read_chunk(unit, buf, off, n, buffered) for off, n in unit.chunks(self._chunk)))
         if unit.dest is not None:
             self.stats.direct_bytes += unit.nbytes
+
+    def _chain_hash(self, read: asyncio.Task[None], unit: Unit, lease: Lease | None) -> asyncio.Task[None]:
+        """A task that hashes ``unit`` after its read and after the shard's previous unit, so the
+        digest sees the file in order while reads stay concurrent. Delivery waits for it, so the
+        consumer never holds (or writes into) bytes not yet hashed."""
+        assert self._hashes is not None
+        shard = unit.items[0].spec.shard
+        data = lease.tensor if lease is not None else unit.dest
+        task = asyncio.ensure_future(
+            self._hash(read, self._hash_tail.get(shard), self._hashes[shard], data, self._last_unit[shard] is unit)
+        )
+        self._hash_tail[shard] = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _hash(
+        self,
+        read: asyncio.Task[None],
+        previous: asyncio.Task[None] | None,
+        sha: ShardHash,
+        data: torch.Tensor | None,
+        last: bool,
+    ) -> None:
+        await read
+        if previous is not None:
+            await previous
+        if data is not None and data.numel():
+            await self._hasher.run(sha.update, _byte_view(data))
+        if last:
+            sha.check()
+            self.stats.verified_shards += 1
 
     async def _prefault(self, lease: Lease) -> None:
         """Fault in the parts of a lease's buffer never used before, in one call on a thread."""
@@ -384,14 +426,23 @@ class Reader:
         while True:
             entry = await self._next_unit()
             if entry is None:
+                self._check_unread_shards()
                 return
             unit, lease, task = entry
             await task
             base = UnitView(lease.tensor) if lease is not None and lease.tensor is not None else None
             del lease, entry
             for item in unit.items:
-                yield item.name, self._deliver(unit, base, item)
+                if not item.skip:
+                    yield item.name, self._deliver(unit, base, item)
             del base  # not held while waiting for the next unit
+
+    def _check_unread_shards(self) -> None:
+        """Shards that no unit covers (no tensors): their digest is of the header alone."""
+        for shard, sha in (self._hashes or {}).items():
+            if shard not in self._last_unit:
+                sha.check()
+                self.stats.verified_shards += 1
 
     async def _next_unit(self) -> tuple[Unit, Lease | None, asyncio.Task[None]] | None:
         get = asyncio.ensure_future(self._queue.get())
@@ -432,6 +483,7 @@ class Reader:
             self._queue.get_nowait()
         self._arena.drop()  # tensors still held keep their part alive; the rest returns now
         await self._helper.aclose()
+        await self._hasher.aclose()
 
 
 def _check_positive(**values: int) -> None:

@@ -5,8 +5,12 @@ Run:ai's streamer reading the same objects through the same endpoint.
     python benchmarks/remote.py [--size-gib 2] [--reps 3] [--out benchmarks/out/remote]
 
 Needs nginx (Debian: apt-get install nginx-light); this script writes its own config and starts
-it on 127.0.0.1. Each run is a fresh process; tensors are streamed and dropped (no model), so this
-measures transport and pipeline. Prints a table (median, min-max) and the targets as ratios.
+it on 127.0.0.1. Each run is a fresh process. Most rows stream the tensors and drop them (no model:
+transport and pipeline; a raw reader reuses one 16 MiB buffer, aload hands out whole tensors, so
+it touches ~2x the largest tensor of fresh memory). The ``*_model`` rows deliver into a
+preallocated model whose pages are touched before timing: the raw reader writes each range
+straight to its place in one buffer the size of the files, aload loads the model (tensors >= 1 MiB
+read straight into their parameters). Prints a table (median, min-max) and the targets as ratios.
 """
 
 from __future__ import annotations
@@ -27,7 +31,18 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-LOADERS = ("curl", "aiohttp_raw", "aload_http", "aiobotocore_raw", "aload_s3", "runai_s3")
+LOADERS = (
+    "curl",
+    "aiohttp_raw",
+    "aload_http",
+    "aiobotocore_raw",
+    "obstore_raw",
+    "aload_s3",
+    "runai_s3",
+    "aiohttp_raw_model",
+    "aload_http_model",
+    "aload_s3_model",
+)
 BUCKET = "weights"
 CHUNK, CONNS = 16 << 20, 4
 
@@ -63,15 +78,20 @@ http {{
 # -- one run, in its own process --------------------------------------------------------------------
 
 
-async def raw_aiohttp(urls: list[str], sizes: list[int]) -> int:
+async def raw_aiohttp(urls: list[str], sizes: list[int], dest: bytearray | None = None) -> int:
+    """Ranged GETs of CHUNK bytes over CONNS connections, each body copied into one reused buffer,
+    or with ``dest`` (the files' bytes end to end) into its place there."""
     import aiohttp
 
     gate = asyncio.Semaphore(CONNS)
     buf = bytearray(CHUNK)
+    bases = [sum(sizes[:i]) for i in range(len(sizes))]
 
-    async def one(session: aiohttp.ClientSession, url: str, off: int, n: int) -> None:
+    async def one(session: aiohttp.ClientSession, url: str, base: int, off: int, n: int) -> None:
         async with gate, session.get(url, headers={"Range": f"bytes={off}-{off + n - 1}"}) as r:
-            view, got = memoryview(buf), 0
+            r.raise_for_status()
+            view = memoryview(buf) if dest is None else memoryview(dest)[base + off : base + off + n]
+            got = 0
             async for chunk in r.content.iter_any():
                 view[got : got + len(chunk)] = chunk
                 got += len(chunk)
@@ -79,8 +99,8 @@ async def raw_aiohttp(urls: list[str], sizes: list[int]) -> int:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CONNS)) as s:
         await asyncio.gather(
             *(
-                one(s, u, off, min(CHUNK, n - off))
-                for u, n in zip(urls, sizes, strict=True)
+                one(s, u, b, off, min(CHUNK, n - off))
+                for u, n, b in zip(urls, sizes, bases, strict=True)
                 for off in range(0, n, CHUNK)
             )
         )
@@ -118,7 +138,35 @@ async def raw_aiobotocore(endpoint: str, keys: list[str], sizes: list[int]) -> i
     return sum(sizes)
 
 
-def run_one(loader: str, base: str, names: list[str], sizes: list[int]) -> dict[str, Any]:
+async def raw_obstore(endpoint: str, keys: list[str], sizes: list[int]) -> int:
+    """The same ranged reads through obstore (Rust object_store; its own runtime threads)."""
+    import obstore
+    from obstore.store import S3Store
+
+    store = S3Store(
+        BUCKET,
+        endpoint=endpoint,
+        region="us-east-1",
+        access_key_id="x",
+        secret_access_key="x",
+        virtual_hosted_style_request=False,
+        client_options={"allow_http": True},
+    )
+    gate = asyncio.Semaphore(CONNS)
+    buf = bytearray(CHUNK)
+
+    async def one(key: str, off: int, n: int) -> None:
+        async with gate:
+            data = await obstore.get_range_async(store, key, start=off, length=n)
+            memoryview(buf)[:n] = memoryview(data)
+
+    await asyncio.gather(
+        *(one(k, off, min(CHUNK, n - off)) for k, n in zip(keys, sizes, strict=True) for off in range(0, n, CHUNK))
+    )
+    return sum(sizes)
+
+
+def run_one(loader: str, base: str, ckpt: Path, names: list[str], sizes: list[int]) -> dict[str, Any]:
     from aload.bench import Probe, bench_stream
 
     endpoint = base
@@ -126,7 +174,38 @@ def run_one(loader: str, base: str, names: list[str], sizes: list[int]) -> dict[
     keys = [f"ckpt/{n}" for n in names]
     s3opts = {"endpoint_url": endpoint, "access_key": "x", "secret_key": "x", "region": "us-east-1"}
 
+    model: Any = None
+    dest: bytearray | None = None
+    if loader.endswith("_model"):
+        import torch
+        from safetensors import safe_open
+
+        from examples.demo import empty_model
+
+        shapes: dict[str, tuple[int, ...]] = {}
+        for n in names:
+            with safe_open(str(ckpt / n), "pt") as st:
+                shapes.update((k, tuple(st.get_slice(k).get_shape())) for k in st.keys())
+        model = empty_model(shapes, torch.bfloat16)  # zeros: every page touched before timing
+        dest = bytearray(sum(sizes))  # zeroed: touched too
+
     async def main() -> dict[str, Any]:
+        if loader in ("aload_http_model", "aload_s3_model"):
+            import aload
+
+            src = f"{base}/{BUCKET}/ckpt" if loader == "aload_http_model" else f"s3://{BUCKET}/ckpt/"
+            opts: dict[str, Any] = dict(s3opts) if loader == "aload_s3_model" else {}
+            async with Probe() as probe:
+                t0 = time.perf_counter()
+                report = await aload.load(model, src, concurrency=CONNS, chunk_bytes=CHUNK, **opts)
+                seconds = time.perf_counter() - t0
+            return {
+                "bytes": report.bytes,
+                "seconds": seconds,
+                "gbps": report.bytes / seconds / 1e9,
+                "ttft_s": report.ttft_s,
+                **probe.row(),
+            }
         if loader == "aload_http":
             return await bench_stream(
                 f"{base}/{BUCKET}/ckpt", max_inflight_bytes=512 << 20, concurrency=CONNS, chunk_bytes=CHUNK
@@ -137,10 +216,12 @@ def run_one(loader: str, base: str, names: list[str], sizes: list[int]) -> dict[
             )
         async with Probe() as probe:
             t0 = time.perf_counter()
-            if loader == "aiohttp_raw":
-                nbytes = await raw_aiohttp(urls, sizes)
+            if loader in ("aiohttp_raw", "aiohttp_raw_model"):
+                nbytes = await raw_aiohttp(urls, sizes, dest)
             elif loader == "aiobotocore_raw":
                 nbytes = await raw_aiobotocore(endpoint, keys, sizes)
+            elif loader == "obstore_raw":
+                nbytes = await raw_obstore(endpoint, keys, sizes)
             elif loader == "curl":
                 procs = [await asyncio.create_subprocess_exec("curl", "-sf", "-o", "/dev/null", u) for u in urls]
                 await asyncio.gather(*(p.wait() for p in procs))
@@ -171,7 +252,9 @@ def run_one(loader: str, base: str, names: list[str], sizes: list[int]) -> dict[
             seconds = time.perf_counter() - t0
         return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9, "ttft_s": None, **probe.row()}
 
+    cpu0 = time.process_time()  # every thread of this process; curl's own processes are not counted
     row = asyncio.run(main())
+    row["cpu_s"] = time.process_time() - cpu0
     row["loader"] = loader
     return row
 
@@ -186,11 +269,11 @@ def main() -> None:
     ap.add_argument("--base", help=argparse.SUPPRESS)
     ap.add_argument("--names", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    a.out = a.out / f"{a.size_gib:g}g"  # nginx's root: the bucket folder inside it
+    a.out = a.out.resolve() / f"{a.size_gib:g}g"  # nginx's root: the bucket folder inside it
     ckpt = a.out / BUCKET / "ckpt"
     if a.run:
         names = a.names.split(",")
-        print(json.dumps(run_one(a.run, a.base, names, [(ckpt / n).stat().st_size for n in names])))
+        print(json.dumps(run_one(a.run, a.base, ckpt, names, [(ckpt / n).stat().st_size for n in names])))
         return
     if shutil.which("nginx") is None:
         raise SystemExit("needs nginx (apt-get install nginx-light)")
@@ -244,12 +327,13 @@ def main() -> None:
         ld: statistics.median(r["gbps"] for r in rows if r["loader"] == ld)
         for ld in dict.fromkeys(r["loader"] for r in rows)
     }
-    print("\n| loader | GB/s | loop lag p99 ms | peak RSS MiB |\n|---|---|---|---|")
+    print("\n| loader | GB/s | CPU s/GB | loop lag p99 ms | peak RSS MiB |\n|---|---|---|---|---|")
     for ld in med:
         rs = [r for r in rows if r["loader"] == ld]
         g = [r["gbps"] for r in rs]
         print(
             f"| {ld} | {statistics.median(g):.2f} ({min(g):.2f}-{max(g):.2f}) | "
+            f"{statistics.median(r['cpu_s'] / (r['bytes'] / 1e9) for r in rs):.2f} | "
             f"{statistics.median(r['loop_lag_p99_ms'] for r in rs):.2f} | "
             f"{statistics.median(r['peak_rss_delta_bytes'] for r in rs) / 2**20:.0f} |"
         )
@@ -261,7 +345,10 @@ def main() -> None:
         f"\naload http / raw aiohttp = {ratio('aload_http', 'aiohttp_raw')} (target >= 0.8); "
         f"aload http / curl = {ratio('aload_http', 'curl')} (target >= 0.7); "
         f"aload s3 / raw aiobotocore = {ratio('aload_s3', 'aiobotocore_raw')} (target >= 0.8); "
-        f"aload s3 / Run:ai = {ratio('aload_s3', 'runai_s3')} (target > 1)"
+        f"aload s3 / Run:ai = {ratio('aload_s3', 'runai_s3')} (target > 1)\n"
+        f"into a model: aload http / raw aiohttp = {ratio('aload_http_model', 'aiohttp_raw_model')}; "
+        f"aload http / curl = {ratio('aload_http_model', 'curl')}; "
+        f"aload s3 / raw aiohttp = {ratio('aload_s3_model', 'aiohttp_raw_model')}"
     )
     (a.out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 

@@ -221,4 +221,3 @@ async def test_writing_into_a_handed_out_tensor_never_touches_the_file(write: Ca
 def test_unknown_read_mode_is_refused(tmp_path: Path) -> None:
     with pytest.raises(aload.UsageError, match="read must be one of"):
         aload.sources.LocalStore(str(tmp_path), concurrency=2, read="mmap-ish")
-
