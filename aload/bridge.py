@@ -37,7 +37,7 @@ class SyncBridge(Iterator[Pair]):
         self.error: BaseException | None = None
         self.delivered = 0
         self.exhausted = False
-        self.current: str | None = None  # the name last handed to the consumer
+        self.names: list[str] = []  # handed to the consumer, in order
 
     async def pump(self) -> None:
         reader = self._stream.reader
@@ -101,7 +101,7 @@ class SyncBridge(Iterator[Pair]):
                 self._pump_waiting = False
                 self._call(self._room.set)
         self.delivered += 1
-        self.current = pair[0]
+        self.names.append(pair[0])
         return pair
 
     def close(self) -> None:

@@ -11,7 +11,9 @@ the byte range. Library errors are translated where they are caught, with ``from
     └── LoadError                   the weights do not fit the model: missing, unexpected, shapes
 
 Errors raised by user code (``model.load_weights``, a stage, a hook) are not wrapped:
-they propagate unchanged, with a note naming the tensor being delivered.
+they propagate unchanged. Any error out of ``aload.load`` (cancellation included) carries
+``.aload_delivered``, the names handed to the loader before it, and a note saying how far the
+load got.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from __future__ import annotations
 
 class AloadError(Exception):
     """Base of every aload error."""
+
+    #: Set by ``aload.load``: the tensors handed to the loader before the error, in order.
+    aload_delivered: list[str] | None = None
 
     def __init__(
         self,

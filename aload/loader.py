@@ -249,6 +249,7 @@ async def load(
     loader = loader or Loader(strict=strict, after_load=after_load, after_postprocess=after_postprocess)
     dev = _device(model, device)
     cuda = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # type: ignore[no-untyped-call]
+    dests = loader.destinations(model, dev)
     ts = TensorStream(
         source,
         stages=stages,
@@ -258,20 +259,24 @@ async def load(
         progress=progress,
         options=options,
         verify=verify,
-        destinations=loader.destinations(model, dev),
+        destinations=dests,
         pin=cuda is not None,
         release_event=(lambda: _recorded_event(cuda)) if cuda is not None else None,
         t0=t0,
     )
+    bridge: SyncBridge | None = None
     try:
         async with ts:
             bridge = SyncBridge(ts)
             pump = asyncio.ensure_future(bridge.pump())
             work, thread = start_thread(_work, loader, model, bridge, dev, cuda, name="aload-load")
             done = await _supervise(bridge, pump, work, thread)
-    except AloadError as exc:
-        exc.locate(ts.checkpoint.url if ts.checkpoint is not None else os.fspath(source))  # type: ignore[arg-type]
+    except BaseException as exc:
+        if isinstance(exc, AloadError):
+            exc.locate(ts.checkpoint.url if ts.checkpoint is not None else os.fspath(source))  # type: ignore[arg-type]
+        _record_progress(exc, bridge, direct=dests is not None)
         raise
+    assert bridge is not None
     stats = ts.stats
     if strict and not bridge.exhausted:
         raise LoadError(
@@ -316,10 +321,29 @@ def _work(loader: Loader, model: nn.Module, bridge: SyncBridge, dev: torch.devic
         return done
     except LoadCancelled:
         raise
-    except BaseException as exc:
-        if bridge.current is not None:
-            add_note(exc, f"aload: raised after tensor {bridge.current!r} was delivered ({bridge.delivered} delivered)")
-        raise
+
+
+def _record_progress(exc: BaseException, bridge: SyncBridge | None, direct: bool) -> None:
+    """Say on a failed load's exception how far it got: ``exc.aload_delivered`` lists the tensors
+    handed to the loader, in order, and a note says what that means for the model."""
+    names = list(bridge.names) if bridge is not None else []
+    with contextlib.suppress(AttributeError, TypeError):  # an exception type that takes no attributes
+        exc.aload_delivered = names  # type: ignore[attr-defined]
+    if bridge is not None and bridge.exhausted:
+        note = (
+            f"aload: all {len(names)} tensors had been delivered to the loader; the error came after "
+            "(the strict check, a hook or post-processing)"
+        )
+    elif names:
+        note = (
+            f"aload: {len(names)} tensor(s) had been delivered to the loader before the error (the last: "
+            f"{names[-1]!r}; all of them in .aload_delivered): the model is partly loaded, do not serve it"
+        )
+    else:
+        note = "aload: no tensor had been delivered to the loader"
+    if direct and not (bridge is not None and bridge.exhausted):
+        note += "; parameters the built-in loader reads into directly may hold new bytes already"
+    add_note(exc, note)
 
 
 async def _supervise(

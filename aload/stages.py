@@ -97,8 +97,8 @@ def _guarded(stage: Stage, name: str, fn: Callable[..., object], *args: object) 
 
 
 def flatten(stages: Iterable[Stage] | Stage) -> list[Stage]:
-    if isinstance(stages, Stage):
-        stages = (stages,)
+    if isinstance(stages, Stage) or (callable(stages) and not isinstance(stages, Iterable)):
+        stages = (stages,)  # one stage, a Stage or a plain async generator function
     out: list[Stage] = []
     for stage in stages:
         if isinstance(stage, Chain):

@@ -42,6 +42,7 @@ LOADERS = (
     "aiohttp_raw_model",
     "aload_http_model",
     "aload_s3_model",
+    "aload_http_model_verify",
 )
 BUCKET = "weights"
 CHUNK, CONNS = 16 << 20, 4
@@ -176,7 +177,7 @@ def run_one(loader: str, base: str, ckpt: Path, names: list[str], sizes: list[in
 
     model: Any = None
     dest: bytearray | None = None
-    if loader.endswith("_model"):
+    if "_model" in loader:
         import torch
         from safetensors import safe_open
 
@@ -188,17 +189,29 @@ def run_one(loader: str, base: str, ckpt: Path, names: list[str], sizes: list[in
                 shapes.update((k, tuple(st.get_slice(k).get_shape())) for k in st.keys())
         model = empty_model(shapes, torch.bfloat16)  # zeros: every page touched before timing
         dest = bytearray(sum(sizes))  # zeroed: touched too
+    verify: dict[str, str] | None = None
+    if loader.endswith("_verify"):  # the manifest a user would have; computed before timing
+        import hashlib
+
+        verify = {}
+        for n in names:
+            h = hashlib.sha256()
+            with open(ckpt / n, "rb") as f:
+                while block := f.read(16 << 20):
+                    h.update(block)
+            verify[n] = h.hexdigest()
 
     async def main() -> dict[str, Any]:
-        if loader in ("aload_http_model", "aload_s3_model"):
+        if loader in ("aload_http_model", "aload_s3_model", "aload_http_model_verify"):
             import aload
 
-            src = f"{base}/{BUCKET}/ckpt" if loader == "aload_http_model" else f"s3://{BUCKET}/ckpt/"
+            src = f"{base}/{BUCKET}/ckpt" if loader.startswith("aload_http") else f"s3://{BUCKET}/ckpt/"
             opts: dict[str, Any] = dict(s3opts) if loader == "aload_s3_model" else {}
             async with Probe() as probe:
                 t0 = time.perf_counter()
-                report = await aload.load(model, src, concurrency=CONNS, chunk_bytes=CHUNK, **opts)
+                report = await aload.load(model, src, concurrency=CONNS, chunk_bytes=CHUNK, verify=verify, **opts)
                 seconds = time.perf_counter() - t0
+            assert verify is None or report.verified_shards == len(names)
             return {
                 "bytes": report.bytes,
                 "seconds": seconds,
@@ -348,7 +361,8 @@ def main() -> None:
         f"aload s3 / Run:ai = {ratio('aload_s3', 'runai_s3')} (target > 1)\n"
         f"into a model: aload http / raw aiohttp = {ratio('aload_http_model', 'aiohttp_raw_model')}; "
         f"aload http / curl = {ratio('aload_http_model', 'curl')}; "
-        f"aload s3 / raw aiohttp = {ratio('aload_s3_model', 'aiohttp_raw_model')}"
+        f"aload s3 / raw aiohttp = {ratio('aload_s3_model', 'aiohttp_raw_model')}; "
+        f"with SHA-256 verification / without = {ratio('aload_http_model_verify', 'aload_http_model')}"
     )
     (a.out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 

@@ -212,7 +212,8 @@ async def test_loader_error_is_the_one_raised_and_nothing_leaks(write: Callable[
 
     with pytest.raises(KeyError, match="model code failed") as info:
         await aload.load(Boom(), path, max_inflight_bytes=2 * MiB, chunk_bytes=MiB)
-    assert any(repr(seen[-1]) in n and "4 delivered" in n for n in getattr(info.value, "__notes__", []))
+    assert info.value.aload_delivered == seen  # type: ignore[attr-defined]
+    assert any(repr(seen[-1]) in n and "4 tensor(s)" in n for n in getattr(info.value, "__notes__", []))
 
 
 async def test_pipeline_error_wins_over_what_the_model_made_of_it(write: Callable[..., Path]) -> None:
