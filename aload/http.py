@@ -8,6 +8,7 @@ A URL naming a ``.safetensors`` object is one shard; any other URL is a checkpoi
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import re
@@ -34,6 +35,9 @@ def redact(url: str) -> str:
     if parts.port:
         host += f":{parts.port}"
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+log = logging.getLogger("aload")
 
 
 class _Retry(Exception):
@@ -173,11 +177,20 @@ class HttpSource(Source):
                 ) from exc
             except (_Retry, aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 cause = exc
+                log.warning(
+                    "%s bytes [%d, %d): attempt %d of %d failed: %s",
+                    self.url,
+                    first,
+                    last + 1,
+                    attempt + 1,
+                    self._store.retries,
+                    self._store.scrub(f"{type(exc).__name__}: {exc}"),
+                )
         raise SourceError(
-            f"gave up after {self._store.retries} attempts; last: {type(cause).__name__}: {cause}",
+            f"gave up after {self._store.retries} attempts; last: {self._store.scrub(f'{type(cause).__name__}: {cause}')}",
             url=self.url,
             byte_range=(first, last + 1),
-        ) from cause
+        ) from None  # aiohttp's own errors may quote the full URL, query string included
 
 
 class HttpStore(Store):
@@ -198,7 +211,10 @@ class HttpStore(Store):
     ) -> None:
         if retries < 1 or timeout <= 0:
             raise UsageError("retries must be >= 1 and timeout > 0", url=redact(url))
-        self._base = url.rstrip("/") if not url.endswith(".safetensors") else url
+        # A query string (a presigned URL, a SAS token) goes on every request, after the path.
+        parts = urlsplit(url)
+        self._query = parts.query
+        self._base = urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
         self.url = redact(self._base)
         self.retries = retries
         self._concurrency = concurrency
@@ -208,8 +224,22 @@ class HttpStore(Store):
         token = token or (os.environ.get("HF_TOKEN") if "huggingface.co" in url else None)
         if token:
             self._headers.setdefault("Authorization", f"Bearer {token}")
+        # What must never be printed: header values, the query string, a password in the URL.
+        self._secrets = sorted(
+            {v for v in (*self._headers.values(), token, parts.query, parts.password) if v and len(v) >= 4},
+            key=len,
+            reverse=True,
+        )
         self._session: aiohttp.ClientSession | None = None
         self._sources: dict[str, HttpSource] = {}
+
+    def scrub(self, text: str) -> str:
+        """``text`` with every credential this store holds replaced by ``***``."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+            if secret.startswith("Bearer "):
+                text = text.replace(secret[7:], "***")
+        return text
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -225,7 +255,8 @@ class HttpStore(Store):
         return self._session
 
     def _url(self, name: str) -> str:
-        return self._base if name == "" else f"{self._base}/{name}"
+        url = self._base if name == "" else f"{self._base}/{name}"
+        return f"{url}?{self._query}" if self._query else url
 
     async def kind(self) -> str:
         return "file" if self._base.endswith(".safetensors") else "folder"

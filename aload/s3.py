@@ -22,7 +22,7 @@ from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
 from .errors import SourceError, UsageError
-from .http import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, backoff, check_content_range
+from .http import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, backoff, check_content_range, log
 from .sources import Source, Store
 
 _RETRY_CODES = {"500", "502", "503", "504", "SlowDown", "InternalError", "RequestTimeout", "ServiceUnavailable", "429"}
@@ -93,8 +93,18 @@ class S3Source(Source):
                             )
                         buf[done : done + len(chunk)] = chunk
                         done += len(chunk)
-            except (aiohttp.ClientError, asyncio.TimeoutError, BotoCoreError):
-                pass  # resume where the body stopped, on the next attempt
+            except (aiohttp.ClientError, asyncio.TimeoutError, BotoCoreError) as exc:
+                # resume where the body stopped, on the next attempt
+                log.warning(
+                    "%s bytes [%d, %d): body broke off after %d bytes (attempt %d of %d): %s",
+                    self.url,
+                    offset,
+                    offset + total,
+                    done,
+                    attempt + 1,
+                    self._store.retries,
+                    type(exc).__name__,
+                )
         if done < total:
             raise SourceError(
                 f"body broke off {self._store.retries} times; {done} of {total} bytes received",
@@ -124,6 +134,15 @@ class S3Source(Source):
                 cause = exc
             except (aiohttp.ClientError, asyncio.TimeoutError, BotoCoreError) as exc:
                 cause = exc
+            log.warning(
+                "%s %s bytes [%d, %d): attempt %d of %d failed: %s",
+                self.url,
+                op,
+                *byte_range,
+                attempt + 1,
+                self._store.retries,
+                type(cause).__name__,
+            )
         raise SourceError(
             f"gave up after {self._store.retries} attempts; last: {type(cause).__name__}",
             url=self.url,

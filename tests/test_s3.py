@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -93,3 +94,39 @@ async def test_missing_bucket_key_and_bad_credentials(s3: dict[str, Any], write:
             pass  # moto accepts any key unless told otherwise; a real store refuses it
     except aload.SourceError as exc:
         assert "wrong-s3cret" not in str(exc) and "denied" in str(exc)
+
+
+async def test_no_secret_key_in_errors_logs_or_repr(
+    s3: dict[str, Any], write: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    import traceback
+
+    caplog.set_level(logging.DEBUG)
+    secret = "s3cr3t-key-2718281828"
+    path = write({"a": torch.ones(4)})
+    s3["client"].upload_file(str(path), BUCKET, "sec/model.safetensors")
+    opts = {**s3["opts"], "secret_key": secret}  # moto takes any key
+    texts = []
+    async with aload.open(f"s3://{BUCKET}/sec/", **opts) as ckpt:
+        texts += [repr(ckpt), repr(ckpt.store), repr(ckpt.shards), repr(ckpt.source(ckpt.specs["a"]))]
+    for url in (f"s3://{BUCKET}/sec/nope.safetensors", "s3://no-such-bucket/x/"):
+        with pytest.raises(aload.SourceError) as info:
+            await aload.open(url, **opts)
+        texts.append("".join(traceback.format_exception(info.value)))
+    texts += [f"{r.name}: {r.getMessage()}" for r in caplog.records if not r.name.startswith("werkzeug")]
+    assert texts and not [t for t in texts if secret in t]
+
+
+@pytest.mark.parametrize("seed", [1, 3, 5])
+async def test_random_checkpoints_stream_identical_over_s3(s3: dict[str, Any], tmp_path: Path, seed: int) -> None:
+    from .test_differential import random_checkpoint, reference, streamed
+
+    path = random_checkpoint(tmp_path / "ckpt", seed)
+    prefix = f"diff{seed}"
+    if path.is_dir():
+        upload(s3["client"], path, prefix)
+        url = f"s3://{BUCKET}/{prefix}/"
+    else:
+        s3["client"].upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
+        url = f"s3://{BUCKET}/{prefix}/{path.name}"
+    assert await streamed(url, **s3["opts"]) == reference(path)
