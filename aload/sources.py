@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import errno
 import importlib
 import mmap
 import os
+import sys
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -178,6 +180,7 @@ if _libc is not None:
     _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _MADV_DONTNEED = 4
+_MADV_POPULATE_READ = 22  # Linux 5.14
 
 
 def _map_private(fd: int, size: int, url: str) -> np.ndarray[Any, Any]:
@@ -206,6 +209,7 @@ class LocalSource(Source):
         self._fd: int | None = None
         self._size: int | None = None
         self._bytes: np.ndarray[Any, Any] | None = None
+        self._populate_read = _libc is not None and sys.platform.startswith("linux")
 
     def _open(self) -> int:
         if self._fd is None:
@@ -244,6 +248,19 @@ class LocalSource(Source):
         if os.fstat(self._fd).st_size < offset + length:
             raise SourceError("file shrank since it was opened", url=self.url, byte_range=(offset, offset + length))
         first = offset - offset % _PAGE
+        if self._populate_read:
+            # One call faults the range in (with the kernel's readahead) and lets go of the GIL
+            # throughout: touching pages from numpy holds it for small ranges, and on a cold
+            # disk each fault waits for the device while the event loop waits for the GIL.
+            assert _libc is not None
+            addr = self._bytes.ctypes.data + first
+            if _libc.madvise(ctypes.c_void_p(addr), offset + length - first, _MADV_POPULATE_READ) == 0:
+                return
+            err = ctypes.get_errno()
+            if err == errno.EFAULT:  # a page past the end of the file: it shrank after the check
+                raise SourceError("file shrank since it was opened", url=self.url, byte_range=(offset, offset + length))
+            if err == errno.EINVAL:  # a kernel before 5.14: touch the pages instead, from now on
+                self._populate_read = False
         int(self._bytes[first : offset + length : _PAGE].max())  # one read per page faults it in
 
     def release(self, offset: int, length: int) -> None:

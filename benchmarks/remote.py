@@ -41,6 +41,7 @@ LOADERS = (
     "runai_s3",
     "aiohttp_raw_model",
     "aload_http_model",
+    "aiobotocore_raw_model",
     "aload_s3_model",
     "aload_http_model_verify",
 )
@@ -108,7 +109,8 @@ async def raw_aiohttp(urls: list[str], sizes: list[int], dest: bytearray | None 
     return sum(sizes)
 
 
-async def raw_aiobotocore(endpoint: str, keys: list[str], sizes: list[int]) -> int:
+async def raw_aiobotocore(endpoint: str, keys: list[str], sizes: list[int], dest: bytearray | None = None) -> int:
+    """As raw_aiohttp, through aiobotocore's get_object, streaming each body into place."""
     from aiobotocore.config import AioConfig
     from aiobotocore.session import get_session
 
@@ -123,18 +125,24 @@ async def raw_aiobotocore(endpoint: str, keys: list[str], sizes: list[int]) -> i
         aws_access_key_id="x",
         aws_secret_access_key="x",
     ) as c:
+        bases = [sum(sizes[:i]) for i in range(len(sizes))]
 
-        async def one(key: str, off: int, n: int) -> None:
+        async def one(key: str, base: int, off: int, n: int) -> None:
             async with gate:
                 r = await c.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={off}-{off + n - 1}")
-                view, got = memoryview(buf), 0
+                view = memoryview(buf) if dest is None else memoryview(dest)[base + off : base + off + n]
+                got = 0
                 async with r["Body"] as body:
                     async for chunk in body.iter_chunks(1 << 20):
                         view[got : got + len(chunk)] = chunk
                         got += len(chunk)
 
         await asyncio.gather(
-            *(one(k, off, min(CHUNK, n - off)) for k, n in zip(keys, sizes, strict=True) for off in range(0, n, CHUNK))
+            *(
+                one(k, b, off, min(CHUNK, n - off))
+                for k, n, b in zip(keys, sizes, bases, strict=True)
+                for off in range(0, n, CHUNK)
+            )
         )
     return sum(sizes)
 
@@ -231,8 +239,8 @@ def run_one(loader: str, base: str, ckpt: Path, names: list[str], sizes: list[in
             t0 = time.perf_counter()
             if loader in ("aiohttp_raw", "aiohttp_raw_model"):
                 nbytes = await raw_aiohttp(urls, sizes, dest)
-            elif loader == "aiobotocore_raw":
-                nbytes = await raw_aiobotocore(endpoint, keys, sizes)
+            elif loader in ("aiobotocore_raw", "aiobotocore_raw_model"):
+                nbytes = await raw_aiobotocore(endpoint, keys, sizes, dest)
             elif loader == "obstore_raw":
                 nbytes = await raw_obstore(endpoint, keys, sizes)
             elif loader == "curl":
@@ -361,7 +369,7 @@ def main() -> None:
         f"aload s3 / Run:ai = {ratio('aload_s3', 'runai_s3')} (target > 1)\n"
         f"into a model: aload http / raw aiohttp = {ratio('aload_http_model', 'aiohttp_raw_model')}; "
         f"aload http / curl = {ratio('aload_http_model', 'curl')}; "
-        f"aload s3 / raw aiohttp = {ratio('aload_s3_model', 'aiohttp_raw_model')}; "
+        f"aload s3 / raw aiobotocore = {ratio('aload_s3_model', 'aiobotocore_raw_model')}; "
         f"with SHA-256 verification / without = {ratio('aload_http_model_verify', 'aload_http_model')}"
     )
     (a.out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

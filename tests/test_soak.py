@@ -27,7 +27,7 @@ def census() -> tuple[int, int]:
     return len(os.listdir("/proc/self/fd")), threading.active_count()
 
 
-async def test_200_local_and_100_http_loads_leak_nothing(sharded: Callable[..., Path]) -> None:
+async def test_200_local_and_200_http_loads_leak_nothing(sharded: Callable[..., Path]) -> None:
     folder = sharded(llama_like(hidden=128), 3)
     model = nn.Module()
     await aload.load(Keep(), folder)  # warm-up: first-use allocations are not leaks
@@ -41,12 +41,17 @@ async def test_200_local_and_100_http_loads_leak_nothing(sharded: Callable[..., 
         srv.add_folder(folder)
         await aload.load(Keep(), srv.url)
         fds2, threads2 = census()
-        for _ in range(100):
+        rss2 = read_status("VmRSS")
+        for _ in range(200):
             await aload.load(Keep(), srv.url)
         fds3, threads3 = census()
+        rss3 = read_status("VmRSS")
     assert (fds1, threads1) == (fds0, threads0), "local loads left descriptors or threads"
-    assert (fds3, threads3) == (fds2, threads2), "HTTP loads left descriptors or threads"
+    assert (fds3, threads3) == (fds2, threads2), "HTTP loads left descriptors, connections or threads"
+    # Each load reads ~1.3 MB: a load's worth kept alive per iteration would add 250+ MiB.
+    assert rss1 - rss0 < 32 << 20 and rss3 - rss2 < 32 << 20, (rss1 - rss0, rss3 - rss2)
     print(
-        f"\nsoak: 200 local + 100 HTTP loads; fds {fds0} -> {fds1}, {fds2} -> {fds3}; threads {threads0} -> "
-        f"{threads1}, {threads2} -> {threads3}; RSS over the 200 local loads {(rss1 - rss0) / 2**20:+.1f} MiB"
+        f"\nsoak: 200 local + 200 HTTP loads; fds {fds0} -> {fds1}, {fds2} -> {fds3}; threads {threads0} -> "
+        f"{threads1}, {threads2} -> {threads3}; RSS {(rss1 - rss0) / 2**20:+.1f} MiB over the local loads, "
+        f"{(rss3 - rss2) / 2**20:+.1f} MiB over the HTTP loads"
     )
