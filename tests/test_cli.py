@@ -78,3 +78,18 @@ def test_bench_sweep_reports_the_best_setting(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4 and rows[0]["gbps"] == max(r["gbps"] for r in rows)
     assert "best here: --budget 1048576" in done.stdout
+
+
+def test_load_and_bench_verify_a_manifest(tmp_path: Path) -> None:
+    import hashlib
+
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.randn(32, 32) for i in range(4)}, str(path))
+    manifest = tmp_path / "SHA256SUMS"
+    manifest.write_text(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  m.safetensors\n")
+    row = json.loads(run("load", str(path), "--json", "--verify", str(manifest)).stdout)
+    assert row["verified_shards"] == 1
+    assert "SHA-256 verified for 1 shard(s)" in run("bench", str(path), "-q", "--verify", str(manifest)).stdout
+    manifest.write_text(f"{'0' * 64}  m.safetensors\n")
+    done = run("load", str(path), "--verify", str(manifest))
+    assert done.returncode == 2 and "SHA-256 mismatch" in done.stderr and "0" * 64 in done.stderr
