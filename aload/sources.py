@@ -62,10 +62,6 @@ class Source(ABC):
         """No tensor views these bytes any more: let their memory go (from any thread)."""
         return None
 
-    def prefetch(self, offset: int, length: int) -> None:
-        """A hint, from a helper thread: these bytes will be read soon. Default: nothing."""
-        return None
-
     @abstractmethod
     async def readinto(self, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` exactly with the bytes at ``offset``, or raise ``SourceError``."""
@@ -266,12 +262,6 @@ class LocalSource(Source):
             if err == errno.EINVAL:  # a kernel before 5.14: touch the pages instead, from now on
                 self._populate_read = False
         int(self._bytes[first : offset + length : _PAGE].max())  # one read per page faults it in
-
-    def prefetch(self, offset: int, length: int) -> None:
-        # Start the device reading ahead of the preadv that will copy these bytes: on a cold
-        # page cache a large preadv otherwise reads in readahead-window steps, one after another.
-        if self._fd is not None and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
 
     def release(self, offset: int, length: int) -> None:
         # Drop the pages from this process's mapping so its RSS stays within the budget; they
