@@ -73,21 +73,33 @@ class LoadReport:
         )
 
 
-def _state_groups(model: nn.Module) -> list[list[str]]:
-    """Persistent state (what ``state_dict`` holds), names grouped by tensor so ties count once."""
+@dataclass
+class _Walk:
+    """One pass over a model: every parameter and buffer by name (a tied tensor under each of its
+    names), and the persistent state (what ``state_dict`` holds) grouped by tensor so that ties
+    count once, in ``state_dict`` order. ``named_parameters``, ``named_buffers`` and ``state_dict``
+    each walk the whole module tree: on 20,000 modules that was ~180 ms of a 0.86 s load."""
+
+    model: nn.Module
+    targets: dict[str, torch.Tensor]
+    groups: list[list[str]]
+
+
+def _walk(model: nn.Module) -> _Walk:
+    targets: dict[str, torch.Tensor] = {}
     groups: dict[int, list[str]] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(t), []).append(name)
-    return list(groups.values())
-
-
-def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        out[name] = p
-    for name, b in model.named_buffers(remove_duplicate=False):
-        out[name] = b
-    return out
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        pre = prefix + "." if prefix else ""
+        for key, p in module._parameters.items():
+            if p is not None:
+                targets[pre + key] = p
+                groups.setdefault(id(p), []).append(pre + key)
+        for key, b in module._buffers.items():
+            if b is not None:
+                targets[pre + key] = b
+                if key not in module._non_persistent_buffers_set:
+                    groups.setdefault(id(b), []).append(pre + key)
+    return _Walk(model, targets, list(groups.values()))
 
 
 @contextlib.contextmanager
@@ -118,6 +130,12 @@ class Loader:
         self.strict = strict
         self.after_load = tuple(after_load)
         self.after_postprocess = tuple(after_postprocess)
+        self._walked: _Walk | None = None  # from destinations() to the built-in loader of one load
+
+    def _walk(self, model: nn.Module) -> _Walk:
+        if self._walked is None or self._walked.model is not model:
+            self._walked = _walk(model)
+        return self._walked
 
     def destinations(
         self, model: nn.Module, device: torch.device
@@ -126,7 +144,7 @@ class Loader:
         when the model brings its own ``load_weights`` (it decides where weights go)."""
         if hasattr(model, "load_weights"):
             return None
-        targets = _targets(model)
+        targets = self._walk(model).targets
 
         def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
             t = targets.get(name)
@@ -153,7 +171,8 @@ class Loader:
         return self._builtin(model, weights)
 
     def _builtin(self, model: nn.Module, weights: Iterable[Pair]) -> Installed:
-        targets = _targets(model)
+        walked, self._walked = self._walk(model), None  # not kept past this load
+        targets = walked.targets
         done = Installed()
         with torch.no_grad():
             for name, t in weights:
@@ -169,7 +188,7 @@ class Loader:
                     target.copy_(t, non_blocking=True)
                 done.names.add(name)
                 del t
-        done.missing = [g[0] for g in _state_groups(model) if not any(n in done.names for n in g)]
+        done.missing = [g[0] for g in walked.groups if not any(n in done.names for n in g)]
         if self.strict and (done.missing or done.unexpected):
             raise LoadError(_describe_mismatch(done.missing, done.unexpected))
         return done
@@ -276,6 +295,8 @@ async def load(
             exc.locate(ts.checkpoint.url if ts.checkpoint is not None else os.fspath(source))  # type: ignore[arg-type]
         _record_progress(exc, bridge, direct=dests is not None)
         raise
+    finally:
+        loader._walked = None  # a Loader kept for later loads holds no reference to this model
     assert bridge is not None
     stats = ts.stats
     if strict and not bridge.exhausted:

@@ -308,3 +308,23 @@ def test_load_under_uvloop_keeps_the_loop_free(tmp_path: Path) -> None:
 
     assert uvloop.run(main()) < LOOP_BLOCK_LIMIT_S
     assert seen.keys() == tensors.keys() and all(torch.equal(seen[k], v) for k, v in tensors.items())
+
+
+def test_one_walk_finds_what_named_parameters_buffers_and_state_dict_find() -> None:
+    from aload.loader import _walk
+
+    model = hf_llama(tie_word_embeddings=True)
+    shared = nn.Linear(4, 4)
+    model.extra = nn.ModuleList([shared, shared])  # a submodule under two names
+    model.extra[0].register_buffer("scratch", torch.zeros(2), persistent=False)
+    model.extra[0].register_buffer("count", torch.zeros(1))
+    walked = _walk(model)
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    expected.update(model.named_buffers(remove_duplicate=False))
+    assert walked.targets.keys() == expected.keys()
+    assert all(walked.targets[k] is v for k, v in expected.items())
+    groups: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
+    assert walked.groups == list(groups.values())
+    assert any(len(g) > 1 for g in walked.groups)  # the tie and the shared module are grouped
