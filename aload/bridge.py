@@ -35,7 +35,6 @@ class SyncBridge(Iterator[Pair]):
         self._done = False
         self._closed = False
         self.error: BaseException | None = None
-        self.delivered = 0
         self.exhausted = False
         self.names: list[str] = []  # handed to the consumer, in order
 
@@ -100,7 +99,6 @@ class SyncBridge(Iterator[Pair]):
             if self._pump_waiting and len(self._items) <= self._max // 2:
                 self._pump_waiting = False
                 self._call(self._room.set)
-        self.delivered += 1
         self.names.append(pair[0])
         return pair
 

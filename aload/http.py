@@ -225,20 +225,16 @@ class HttpStore(Store):
         if token:
             self._headers.setdefault("Authorization", f"Bearer {token}")
         # What must never be printed: header values, the query string, a password in the URL.
-        self._secrets = sorted(
-            {v for v in (*self._headers.values(), token, parts.query, parts.password) if v and len(v) >= 4},
-            key=len,
-            reverse=True,
-        )
+        values = (*self._headers.values(), token, parts.query, parts.password)
+        values += tuple(v.removeprefix("Bearer ") for v in self._headers.values())  # a token given as a header
+        self._secrets = sorted({v for v in values if v and len(v) >= 4}, key=len, reverse=True)
         self._session: aiohttp.ClientSession | None = None
         self._sources: dict[str, HttpSource] = {}
 
     def scrub(self, text: str) -> str:
         """``text`` with every credential this store holds replaced by ``***``."""
-        for secret in self._secrets:
+        for secret in self._secrets:  # longest first, so a part never leaves the rest showing
             text = text.replace(secret, "***")
-            if secret.startswith("Bearer "):
-                text = text.replace(secret[7:], "***")
         return text
 
     def session(self) -> aiohttp.ClientSession:

@@ -132,7 +132,7 @@ class Loader:
         self.after_postprocess = tuple(after_postprocess)
         self._walked: _Walk | None = None  # from destinations() to the built-in loader of one load
 
-    def _walk(self, model: nn.Module) -> _Walk:
+    def _walked_for(self, model: nn.Module) -> _Walk:
         if self._walked is None or self._walked.model is not model:
             self._walked = _walk(model)
         return self._walked
@@ -144,7 +144,7 @@ class Loader:
         when the model brings its own ``load_weights`` (it decides where weights go)."""
         if hasattr(model, "load_weights"):
             return None
-        targets = self._walk(model).targets
+        targets = self._walked_for(model).targets
 
         def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
             t = targets.get(name)
@@ -171,7 +171,7 @@ class Loader:
         return self._builtin(model, weights)
 
     def _builtin(self, model: nn.Module, weights: Iterable[Pair]) -> Installed:
-        walked, self._walked = self._walk(model), None  # not kept past this load
+        walked, self._walked = self._walked_for(model), None  # not kept past this load
         targets = walked.targets
         done = Installed()
         with torch.no_grad():
@@ -301,7 +301,7 @@ async def load(
     stats = ts.stats
     if strict and not bridge.exhausted:
         raise LoadError(
-            f"the loader returned after {bridge.delivered} of {stats.tensors} tensors delivered and left the rest unread"
+            f"the loader returned after {len(bridge.names)} of {stats.tensors} tensors delivered and left the rest unread"
         )
     seconds = time.perf_counter() - t0
     return LoadReport(

@@ -52,10 +52,8 @@ class TensorStream:
         )
         self._concurrency = concurrency
         self._chunk_bytes, self._budget = chunk_bytes, max_inflight_bytes
-        self._options = dict(options or {})
-        self._verify = verify if verify is not None else self._options.pop("verify", None)
-        if self._verify is False:
-            self._verify = None
+        self._options = options or {}
+        self._verify = None if verify is False else verify  # type: ignore[comparison-overlap]  # False reads as off
         # Reading straight into a destination skips tensor stages, so only without them.
         self._dest = destinations if not self._stages else None
         self._t0 = time.perf_counter() if t0 is None else t0

@@ -84,8 +84,8 @@ class Arena:
         return self._array
 
     def drop(self) -> None:
+        """Let the buffer go (views still held keep it alive); later frees are ignored."""
         self._array = None
-        self._free, self.used, self.warm = [(0, self.capacity)], 0, 0 if not self._pin else self.capacity
 
     def alloc(self, n: int) -> int | None:
         """First fit: the lowest free region that holds ``n``. Streams release units in about the
@@ -220,7 +220,7 @@ class Reader:
         # Digests: shard URL -> running hash; the plan must cover every byte (make_plan read_all).
         self._hashes = hashes
         self._hash_tail: dict[str, asyncio.Task[None]] = {}
-        self._last_unit = {u.items[0].spec.shard: u for u in plan.units if u.items}
+        self._last_unit = {u.items[0].spec.shard: u for u in plan.units if u.items} if hashes else {}
         self._hasher = IOPool(1)
         self.stats = ReaderStats()
         # Whether the final consumer is blocked waiting for a tensor. For plain `async for`,
@@ -282,6 +282,10 @@ class Reader:
         # Pinned buffers are what a GPU copies from asynchronously; a mapped file is not pinned.
         return not self._pin and unit.source.can_map
 
+    def _buffered(self, unit: Unit) -> bool:
+        """Whether ``unit`` is read into a leased buffer (the read-ahead window counts those)."""
+        return unit.dest is None and unit.nbytes > 0 and not self._mappable(unit)
+
     def _try_alloc(self, unit: Unit) -> Lease | None:
         n, inflight, cap = unit.nbytes, self.stats.inflight_bytes, self._arena.capacity
         if inflight + n > cap and not (n > cap and inflight == 0):  # larger than the budget: alone
@@ -330,8 +334,7 @@ class Reader:
     # -- reads ----------------------------------------------------------------------------
     async def _produce(self) -> None:
         for unit in self.plan.units:
-            buffered = unit.dest is None and unit.nbytes > 0 and not self._mappable(unit)
-            if buffered:
+            if self._buffered(unit):
                 while self._unread >= self._window:
                     self._changed.clear()
                     await self._changed.wait()
@@ -358,7 +361,7 @@ class Reader:
             assert target is not None
             buf = _byte_view(target)
         del lease
-        buffered = buf is not None and unit.dest is None
+        buffered = self._buffered(unit)
         await asyncio.gather(*(self._read_chunk(unit, buf, off, n, buffered) for off, n in unit.chunks(self._chunk)))
         if unit.dest is not None:
             self.stats.direct_bytes += unit.nbytes
