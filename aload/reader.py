@@ -185,6 +185,18 @@ class UnitView:
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = _STRIDES.get(shape)
+    if strides is None:
+        if len(_STRIDES) >= 4096:  # checkpoints repeat a handful of shapes; keep it bounded
+            _STRIDES.clear()
+        strides = _STRIDES[shape] = _contiguous_strides(shape)
+    return strides
+
+
+_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, step = [], 1
     for dim in reversed(shape):
         out.append(step)

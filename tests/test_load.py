@@ -311,20 +311,69 @@ def test_load_under_uvloop_keeps_the_loop_free(tmp_path: Path) -> None:
 
 
 def test_one_walk_finds_what_named_parameters_buffers_and_state_dict_find() -> None:
-    from aload.loader import _walk
+    from aload.loader import _named_modules, _walk
 
     model = hf_llama(tie_word_embeddings=True)
-    shared = nn.Linear(4, 4)
-    model.extra = nn.ModuleList([shared, shared])  # a submodule under two names
-    model.extra[0].register_buffer("scratch", torch.zeros(2), persistent=False)
-    model.extra[0].register_buffer("count", torch.zeros(1))
+    shared = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    model.extra = nn.ModuleList([shared, shared])  # a submodule (and its own) under two names
+    for dedup in (True, False):
+        got = list(_named_modules(model, remove_duplicate=dedup))
+        want = list(model.named_modules(remove_duplicate=dedup))
+        assert [n for n, _ in got] == [n for n, _ in want]
+        assert all(a is b for (_, a), (_, b) in zip(got, want, strict=True))
+    model.extra[0][0].register_buffer("scratch", torch.zeros(2), persistent=False)
+    model.extra[0][0].register_buffer("count", torch.zeros(1))
     walked = _walk(model)
     expected = dict(model.named_parameters(remove_duplicate=False))
     expected.update(model.named_buffers(remove_duplicate=False))
     assert walked.targets.keys() == expected.keys()
     assert all(walked.targets[k] is v for k, v in expected.items())
-    groups: dict[int, list[str]] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(t), []).append(name)
-    assert walked.groups == list(groups.values())
-    assert any(len(g) > 1 for g in walked.groups)  # the tie and the shared module are grouped
+    state = model.state_dict(keep_vars=True)
+    assert list(walked.state) == list(state)  # same names, same order
+    assert all(walked.state[k] == id(t) for k, t in state.items())
+    first: dict[int, str] = {}
+    for name, t in state.items():
+        first.setdefault(id(t), name)
+    assert len(first) < len(state)  # the tie and the shared module share a tensor
+    assert walked.missing(set()) == list(first.values())  # a tied tensor is reported once
+    assert walked.missing(set(state)) == []
+    tied = next(n for n in state if first[id(state[n])] != n)  # installed under its second name
+    assert first[id(state[tied])] not in walked.missing({tied})
+
+
+def test_post_processing_finds_quant_method_however_it_is_defined() -> None:
+    from aload.loader import Loader
+
+    seen: list[str] = []
+
+    class Method:
+        def __init__(self, tag: str) -> None:
+            self.tag = tag
+
+        def process_weights_after_loading(self, module: nn.Module) -> None:
+            seen.append(self.tag)
+
+    class ModuleMethod(nn.Module):  # a quant method that is itself a submodule
+        def process_weights_after_loading(self, module: nn.Module) -> None:
+            seen.append("submodule")
+
+    class ClassAttr(nn.Linear):
+        quant_method = Method("class")
+
+    class Prop(nn.Linear):
+        @property
+        def quant_method(self) -> Method:
+            return Method("property")
+
+    class NoneProp(nn.Linear):
+        @property
+        def quant_method(self) -> None:
+            return None
+
+    inst = nn.Linear(2, 2)
+    inst.quant_method = Method("instance")  # type: ignore[assignment]
+    sub = nn.Linear(2, 2)
+    sub.quant_method = ModuleMethod()
+    model = nn.Sequential(inst, ClassAttr(2, 2), Prop(2, 2), NoneProp(2, 2), sub, nn.Linear(2, 2), inst)
+    Loader().postprocess_weights(model, torch.device("cpu"))
+    assert seen == ["instance", "class", "property", "submodule"]  # inst once, though it is there twice
