@@ -70,6 +70,33 @@ async def test_tied_weights_and_non_persistent_buffers(write: Callable[..., Path
     assert report.missing == [] and report.installed == 2
 
 
+@pytest.mark.parametrize("count", [1, 15, 16, 17, 40])
+async def test_a_waiting_loader_gets_every_pair_when_they_trickle_in(write: Callable[..., Path], count: int) -> None:
+    """The bridge wakes a waiting loader in batches; pairs that arrive one at a time, with the
+    pump waiting between them, must still reach it (and in order) however many there are, also
+    when the budget holds only two of them (a loader left asleep would never release them)."""
+    tensors = {f"t{i:02d}": torch.full((1024,), float(i)) for i in range(count)}
+    path = write(tensors)
+
+    async def slow(pairs: Any) -> Any:
+        async for pair in pairs:
+            await asyncio.sleep(0.002)  # the pump waits before each pair
+            yield pair
+
+    got: list[tuple[str, torch.Tensor]] = []
+
+    class Engine(nn.Module):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            got.extend((n, t.clone()) for n, t in weights)
+            return set()
+
+    report = await asyncio.wait_for(
+        aload.load(Engine(), path, stages=slow, max_inflight_bytes=8192, chunk_bytes=4096), 30
+    )
+    assert [n for n, _ in got] == list(tensors) and report.tensors == count
+    assert all(torch.equal(t, tensors[n]) for n, t in got)
+
+
 async def test_strict_reports_missing_and_unexpected(write: Callable[..., Path]) -> None:
     path = write({"lin.weight": torch.ones(3, 2), "extra": torch.ones(1)})
 
