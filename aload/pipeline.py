@@ -78,13 +78,24 @@ class TensorStream:
         if self._verify is not None:
             digests = await digests_for(self._verify, self.checkpoint)
             hashes = {s.url: ShardHash(s, digests[s.url]) for s in self.checkpoint.shards}
-        plan = make_plan(self.checkpoint, self._names, self._dest, group, read_all=hashes is not None)
+        plan = make_plan(self.checkpoint, self._names, await self._direct(), group, read_all=hashes is not None)
         self.reader = Reader(plan, hashes=hashes, **self._reader_args)
         it: AsyncIterator[Pair] = self.reader.items()
         self._chain = [it]
         for stage in self._stages:
             it = stage(it)
             self._chain.append(it)
+
+    async def _direct(self) -> DestFn | None:
+        """The destinations, for the shards whose source reads straight into them (a pinned
+        buffer is the GPU path: there every known destination is read into directly)."""
+        dest, ckpt = self._dest, self.checkpoint
+        if dest is None or ckpt is None or self._reader_args["pin"]:
+            return dest
+        direct = {s.url for s in ckpt.shards if await ckpt.store.source(s.name).reads_direct()}
+        if len(direct) == len(ckpt.shards):
+            return dest
+        return lambda name, spec: dest(name, spec) if spec.shard in direct else None
 
     def __aiter__(self) -> TensorStream:
         return self

@@ -62,6 +62,11 @@ class Source(ABC):
         """No tensor views these bytes any more: let their memory go (from any thread)."""
         return None
 
+    async def reads_direct(self) -> bool:
+        """Whether a tensor whose destination is known should be read straight into it (else it
+        is handed out, as any other, and copied by the loader)."""
+        return True
+
     @abstractmethod
     async def readinto(self, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` exactly with the bytes at ``offset``, or raise ``SourceError``."""
@@ -179,6 +184,7 @@ if _libc is not None:
     _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
     _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 _MADV_DONTNEED = 4
 _MADV_POPULATE_READ = 22  # Linux 5.14
 
@@ -196,6 +202,24 @@ def _map_private(fd: int, size: int, url: str) -> np.ndarray[Any, Any]:
     arr = np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(addr))
     weakref.finalize(arr, _libc.munmap, addr, size)
     return arr
+
+
+def _all_cached(arr: np.ndarray[Any, Any], windows: int = 32, window_pages: int = 64) -> bool:
+    """Whether a mapped file sits in the page cache, from ``mincore`` over ``windows`` evenly
+    spaced runs of pages (the whole file when it is small): all of a 2 GB file took 33-37 ms."""
+    assert _libc is not None
+    pages = -(-arr.nbytes // _PAGE)
+    step = max(window_pages, pages // windows)
+    vec = np.zeros(window_pages, dtype=np.uint8)
+    for first in range(0, pages, step):
+        n = min(window_pages, pages - first)
+        addr = arr.ctypes.data + first * _PAGE
+        length = min(n * _PAGE, arr.nbytes - first * _PAGE)
+        if _libc.mincore(ctypes.c_void_p(addr), length, vec.ctypes.data_as(ctypes.c_void_p)) != 0:
+            return False
+        if not np.all(vec[:n] & 1):
+            return False
+    return True
 
 
 class LocalSource(Source):
@@ -240,6 +264,18 @@ class LocalSource(Source):
 
     async def populate(self, offset: int, length: int) -> None:
         await self._pool.run(self._populate, offset, length)
+
+    async def reads_direct(self) -> bool:
+        """Straight into the destination (``preadv``) when the file is in the page cache;
+        else through the mapping (``MADV_POPULATE_READ``) and a copy. Both copy the bytes once;
+        measured on a 4 GiB checkpoint on this VM, warm: 9.3-10.3 GB/s direct vs 9.2-9.8 mapped;
+        cold: a ``preadv`` that waits for the disk held the event loop 12-18 ms at p99 in most
+        runs, the mapping 3-4 ms in all, for about the same throughput."""
+        if not self.can_map or _libc is None or not self._size:
+            return True
+        self.view(0, 0)  # map it here, on the loop, where every other mapping is made
+        assert self._bytes is not None
+        return await self._pool.run(_all_cached, self._bytes)
 
     def _populate(self, offset: int, length: int) -> None:
         assert self._fd is not None and self._bytes is not None
