@@ -91,6 +91,26 @@ def drop_cache(folder: Path) -> None:
         os.close(fd)
 
 
+def cached_fraction(folder: Path) -> float:
+    """The share of the checkpoint's pages in the page cache (mincore), recorded with each row."""
+    import mmap
+
+    import numpy as np
+
+    from aload.sources import _libc
+
+    assert _libc is not None
+    cached = pages = 0
+    for p in shards(folder):
+        m = np.memmap(p, mode="r")
+        vec = np.zeros(-(-m.nbytes // mmap.PAGESIZE), dtype=np.uint8)
+        _libc.mincore(m.ctypes.data, m.nbytes, vec.ctypes.data)
+        cached += int(np.count_nonzero(vec & 1))
+        pages += len(vec)
+        del m
+    return cached / max(1, pages)
+
+
 def warm_cache(folder: Path) -> float:
     """Read every shard with dd (bs=16M); returns GB/s (the `dd` ceiling when already warm)."""
     t0 = time.perf_counter()
@@ -150,7 +170,7 @@ def peer_iterator(loader: str, files: list[str], runai_concurrency: int | None) 
         raise SystemExit(f"unknown loader {loader}")
 
 
-def run_one(loader: str, folder: Path, runai_concurrency: int | None) -> dict[str, Any]:
+def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: str = "warm") -> dict[str, Any]:
     import torch
     from safetensors import safe_open
 
@@ -166,6 +186,11 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None) -> dict[st
                 shapes[k] = tuple(st.get_slice(k).get_shape())
     model = empty_model(shapes, torch.bfloat16)  # zeros: every page touched before timing
     params = dict(model.named_parameters())
+    # The page cache is set up here, after the model is allocated: warmed before, an 8 GiB
+    # checkpoint's pages (read once, so first in line) were partly evicted to make room for the
+    # 8 GiB model, and "warm" runs were part cold (all loaders ~7 GB/s instead of ~10).
+    drop_cache(folder) if scenario == "cold" else warm_cache(folder)
+    cached = cached_fraction(folder)
     first: list[float] = []
 
     def copy_in(name: str, t: Any) -> None:
@@ -216,6 +241,7 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None) -> dict[st
         "bytes": total,
         "tensors": len(params),
         "gbps": total / row["seconds"] / 1e9,
+        "cached_at_start": cached,
         **row,
     }
 
@@ -223,8 +249,8 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None) -> dict[st
 # -- the driver -------------------------------------------------------------------------------------
 
 
-def child(loader: str, folder: Path, runai_c: int | None) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--run", loader, "--ckpt", str(folder)]
+def child(loader: str, folder: Path, runai_c: int | None, scenario: str = "warm") -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--run", loader, "--ckpt", str(folder), "--scenario", scenario]
     if runai_c:
         cmd += ["--runai-concurrency", str(runai_c)]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -344,9 +370,10 @@ def main() -> None:
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--runai-concurrency", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--scenario", default="warm", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.run:
-        print(json.dumps(run_one(a.run, a.ckpt, a.runai_concurrency)))
+        print(json.dumps(run_one(a.run, a.ckpt, a.runai_concurrency, a.scenario)))
         return
     if a.replot:
         traces = {(r["scenario"], r["loader"]): r["mem_trace"] for r in json.loads((a.out / "traces.json").read_text())}
@@ -364,7 +391,6 @@ def main() -> None:
     runai_c = None
     if "runai_best" in loaders:
         first = next(iter(ckpts.values()))
-        warm_cache(first)
         trials = {int(c): child("runai_best", first, int(c))["gbps"] for c in a.runai_sweep.split(",")}
         runai_c = max(trials, key=trials.__getitem__)
         print(f"runai concurrency sweep (warm, {first.name}): {trials} -> {runai_c}", flush=True)
@@ -377,8 +403,7 @@ def main() -> None:
             name = f"{scenario} {label}"
             for rep in range(a.reps):
                 for loader in loaders if rep % 2 == 0 else loaders[::-1]:
-                    drop_cache(folder) if scenario == "cold" else warm_cache(folder)
-                    row = child(loader, folder, runai_c)
+                    row = child(loader, folder, runai_c, scenario)
                     row.update(scenario=name, rep=rep, runai_concurrency=runai_c if loader == "runai_best" else None)
                     if rep:
                         row.pop("mem_trace", None)
