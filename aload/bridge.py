@@ -1,6 +1,7 @@
 """The sync bridge: a worker thread iterates the async pipeline as a plain iterator.
 
-The loop side (``pump``) moves pairs into a small deque; the thread side (``__next__``) takes
+The loop side (``pump``) moves pairs, or whole units whose tensors the thread cuts itself, into a
+small deque; the thread side (``__next__``) takes
 them without a lock while there are any (deque operations are atomic) and waits on a
 ``threading.Condition`` only when there are none: the lock per pair cost ~5 us of each side's
 time. The loop is told when the deque has room again (once it is half empty, so a busy consumer
@@ -13,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from .pipeline import TensorStream
+from .plan import Item, Unit
+from .reader import UnitView, cut
 from .stages import Pair
 
 #: A waiting consumer is woken once this many pairs are ready, or when the pump next waits,
@@ -29,12 +32,23 @@ class LoadCancelled(BaseException):
     ``except Exception`` in model code does not swallow it."""
 
 
+class _Batch:
+    """A whole unit handed over at once: the consumer cuts its tensors on its own thread."""
+
+    __slots__ = ("base", "unit")
+
+    def __init__(self, unit: Unit, base: UnitView | None) -> None:
+        self.unit = unit
+        self.base = base
+
+
 class SyncBridge(Iterator[Pair]):
     def __init__(self, stream: TensorStream, maxsize: int = 64) -> None:
         self._stream = stream
         self._loop = asyncio.get_running_loop()
         self._max = maxsize
-        self._items: collections.deque[Pair] = collections.deque()
+        self._items: collections.deque[Pair | _Batch] = collections.deque()
+        self._batch: tuple[Unit, UnitView | None, Iterator[Item]] | None = None  # being cut
         self._cond = threading.Condition()
         self._room = asyncio.Event()
         self._pump_waiting = False
@@ -46,6 +60,24 @@ class SyncBridge(Iterator[Pair]):
         self.exhausted = False
         self.names: list[str] = []  # handed to the consumer, in order
 
+    async def _entries(self) -> AsyncIterator[Pair | _Batch]:
+        """Pairs, or whole units where no tensor stage needs to see the pairs: then the loop
+        does no work per tensor (cutting one is a torch call, and each torch call on the loop
+        let the consumer's thread take the GIL mid-unit: a hand-off per tensor)."""
+        stream = self._stream
+        if not stream.cuts_later:
+            async for pair in stream:
+                yield pair
+            return
+        reader = stream.reader
+        async for unit, base in stream.units():
+            assert reader is not None
+            delivered = [item for item in unit.items if not item.skip]
+            if delivered:
+                reader.account(unit, sum(item.spec.nbytes for item in delivered), len(delivered))
+                yield _Batch(unit, base)
+            del base
+
     async def pump(self) -> None:
         reader = self._stream.reader
         if reader is not None:
@@ -53,15 +85,16 @@ class SyncBridge(Iterator[Pair]):
             reader.starving = lambda: self._consumer_waiting and not self._items
         items = self._items
         try:
-            async for pair in self._stream:
+            async for entry in self._entries():
                 if self._closed:
                     return
                 # deque.append and popleft are atomic: the lock is taken only to wake a consumer
                 # that said it waits (it re-checks the deque after saying so: no lost wake-up).
-                items.append(pair)
-                del pair
+                items.append(entry)
+                batch = type(entry) is _Batch
+                del entry
                 if self._consumer_waiting:
-                    if len(items) >= _WAKE_BATCH:
+                    if batch or len(items) >= _WAKE_BATCH:
                         self._wake()
                     elif not self._flush_pending:  # wake it when this task next waits, at the latest
                         self._flush_pending = True
@@ -104,20 +137,34 @@ class SyncBridge(Iterator[Pair]):
             self._call(reader.poke)
 
     def __next__(self) -> Pair:
-        if self._closed:
-            raise LoadCancelled()
-        try:
-            pair = self._items.popleft()  # the common case: no lock, no wait
-        except IndexError:
-            pair = self._wait()
-        # Tell the pump there is room once the deque is half empty: few cross-thread wake-ups.
-        if self._pump_waiting and len(self._items) <= self._max // 2:
-            self._pump_waiting = False
-            self._call(self._room.set)
-        self.names.append(pair[0])
-        return pair
+        while True:
+            if self._closed:
+                raise LoadCancelled()
+            batch = self._batch  # read once: close() may clear it from the loop
+            if batch is not None:
+                unit, base, rest = batch
+                for item in rest:
+                    if not item.skip:
+                        self.names.append(item.name)
+                        return item.name, cut(unit, base, item)
+                self._batch = None
+                del batch, unit, base, rest
+            try:
+                entry = self._items.popleft()  # the common case: no lock, no wait
+            except IndexError:
+                entry = self._wait()
+            # Tell the pump there is room once the deque is half empty: few cross-thread wake-ups.
+            if self._pump_waiting and len(self._items) <= self._max // 2:
+                self._pump_waiting = False
+                self._call(self._room.set)
+            if type(entry) is _Batch:
+                self._batch = (entry.unit, entry.base, iter(entry.unit.items))
+                continue
+            assert isinstance(entry, tuple)
+            self.names.append(entry[0])
+            return entry
 
-    def _wait(self) -> Pair:
+    def _wait(self) -> Pair | _Batch:
         with self._cond:
             while True:
                 if self._closed:
@@ -129,6 +176,7 @@ class SyncBridge(Iterator[Pair]):
                     self._consumer_waiting = False
                     if self.error is not None:
                         raise self.error
+                    self._batch = None
                     self.exhausted = True  # the consumer saw the end of the stream
                     raise StopIteration
                 if not self._consumer_waiting:
@@ -142,5 +190,6 @@ class SyncBridge(Iterator[Pair]):
         with self._cond:
             self._closed = True
             self._items.clear()
+            self._batch = None
             self._cond.notify_all()
         self._room.set()

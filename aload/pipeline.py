@@ -10,9 +10,18 @@ from typing import Any
 
 from ._threads import run_in_thread
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint, _open
+from .errors import UsageError
 from .integrity import Manifest, ShardHash, digests_for
-from .plan import DestFn, make_plan
-from .reader import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, Progress, Reader, ReaderStats, _check_positive
+from .plan import DestFn, Unit, make_plan
+from .reader import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_INFLIGHT_BYTES,
+    Progress,
+    Reader,
+    ReaderStats,
+    UnitView,
+    _check_positive,
+)
 from .stages import Pair, Stage, split_for_plan
 
 _PLAN_INLINE_TENSORS = 2000
@@ -63,7 +72,7 @@ class TensorStream:
         self.checkpoint: Checkpoint | None = source if isinstance(source, Checkpoint) else None
         self._owns = self.checkpoint is None
         self.reader: Reader | None = None
-        self._chain: list[AsyncIterator[Pair]] = []
+        self._chain: list[AsyncIterator[Any]] = []
         self._closed = False
 
     @property
@@ -107,6 +116,29 @@ class TensorStream:
             return dest
         return lambda name, spec: dest(name, spec) if spec.shard in direct else None
 
+    @property
+    def cuts_later(self) -> bool:
+        """Whether ``units`` can stand in for the pairs: no tensor stage needs to see them."""
+        return not self._stages
+
+    async def units(self) -> AsyncIterator[tuple[Unit, UnitView | None]]:
+        """Whole units in plan order, for a consumer that cuts the tensors itself on its own
+        thread (``reader.cut``) and counts them delivered here (``reader.account``). Only where
+        ``cuts_later``; the stream is then iterated this way instead of by pairs."""
+        if not self.cuts_later:
+            raise UsageError("units() bypasses the tensor stages this stream has")
+        await self.start()
+        assert self.reader is not None
+        units = self.reader.units()
+        self._chain = [units]  # closed by aclose(), like the pairs it replaces
+        try:
+            async for unit, base in units:
+                yield unit, base
+                del base
+        except BaseException:
+            await self.aclose()
+            raise
+
     def __aiter__(self) -> TensorStream:
         return self
 
@@ -115,7 +147,8 @@ class TensorStream:
             raise StopAsyncIteration
         try:
             await self.start()
-            return await self._chain[-1].__anext__()
+            pair: Pair = await self._chain[-1].__anext__()
+            return pair
         except BaseException:
             await self.aclose()
             raise

@@ -204,7 +204,11 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _tensor(view: UnitView | None, item: Item) -> torch.Tensor:
+def cut(unit: Unit, view: UnitView | None, item: Item) -> torch.Tensor:
+    """The tensor of ``item``: its destination when it was read straight in, else a view of the
+    unit's buffer (from any thread: nothing here touches the reader)."""
+    if unit.dest is not None:
+        return unit.dest
     spec = item.spec
     if view is None or spec.nbytes == 0:  # zero-size tensors own no bytes
         return torch.empty(spec.shape, dtype=spec.torch_dtype)
@@ -435,8 +439,9 @@ class Reader:
         self.stats.reads += 1
 
     # -- delivery -------------------------------------------------------------------------
-    async def items(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """The tensors in plan order; each owns its memory until the consumer drops it."""
+    async def units(self) -> AsyncIterator[tuple[Unit, UnitView | None]]:
+        """Each unit in plan order once read (and hashed), with the view its tensors are cut
+        from: ``items`` cuts them here; a bridge can cut them on its consumer's thread."""
         self._producer = asyncio.ensure_future(self._produce())
         while True:
             entry = await self._next_unit()
@@ -447,10 +452,29 @@ class Reader:
             await task
             base = UnitView(lease.tensor) if lease is not None and lease.tensor is not None else None
             del lease, entry
+            yield unit, base
+            del base  # not held while waiting for the next unit
+
+    async def items(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """The tensors in plan order; each owns its memory until the consumer drops it."""
+        async for unit, base in self.units():
             for item in unit.items:
                 if not item.skip:
-                    yield item.name, self._deliver(unit, base, item)
-            del base  # not held while waiting for the next unit
+                    self.account(unit, item.spec.nbytes, 1)
+                    yield item.name, cut(unit, base, item)
+            del base
+
+    def account(self, unit: Unit, nbytes: int, tensors: int) -> None:
+        """Count tensors of ``unit`` as delivered (on the loop: stats and progress live here)."""
+        s = self.stats
+        if s.ttft_s is None:
+            s.ttft_s = time.perf_counter() - self._t0
+        s.tensors += tensors
+        s.bytes += nbytes
+        if self._progress is not None:
+            self._progress(
+                Progress(s.tensors, self.plan.tensors, s.bytes, self.plan.nbytes, time.perf_counter() - self._t0)
+            )
 
     def _check_unread_shards(self) -> None:
         """Shards that no unit covers (no tensors): their digest is of the header alone."""
@@ -473,19 +497,6 @@ class Reader:
             return get.result()
         finally:
             self._pending_get = None
-
-    def _deliver(self, unit: Unit, base: UnitView | None, item: Item) -> torch.Tensor:
-        t = unit.dest if unit.dest is not None else _tensor(base, item)
-        s = self.stats
-        if s.ttft_s is None:
-            s.ttft_s = time.perf_counter() - self._t0
-        s.tensors += 1
-        s.bytes += item.spec.nbytes
-        if self._progress is not None:
-            self._progress(
-                Progress(s.tensors, self.plan.tensors, s.bytes, self.plan.nbytes, time.perf_counter() - self._t0)
-            )
-        return t
 
     async def aclose(self) -> None:
         """Stop producing and wait for every read started (their buffers may still be written)."""

@@ -221,3 +221,69 @@ async def test_writing_into_a_handed_out_tensor_never_touches_the_file(write: Ca
 def test_unknown_read_mode_is_refused(tmp_path: Path) -> None:
     with pytest.raises(aload.UsageError, match="read must be one of"):
         aload.sources.LocalStore(str(tmp_path), concurrency=2, read="mmap-ish")
+
+
+class _Holder(torch.nn.Module):
+    """A vLLM-style model whose load_weights keeps (or copies and drops) every tensor, and notes
+    the thread each progress report came from."""
+
+    def __init__(self, keep: bool) -> None:
+        super().__init__()
+        self.keep = keep
+        self.got: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights: object) -> set[str]:
+        for name, t in weights:  # type: ignore[attr-defined]
+            self.got[name] = t if self.keep else t.clone()
+            del t
+        return set()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+async def test_load_hands_whole_units_to_the_loader_thread_within_the_bound(
+    write: Callable[..., Path], keep: bool
+) -> None:
+    """Without tensor stages the bridge passes whole units and the loader's thread cuts the
+    tensors: same pairs, same order, the budget kept (or, for a loader that keeps every tensor,
+    an overdraft reported rather than a deadlock), progress and counts on the loop thread."""
+    import threading
+
+    tensors = big_checkpoint(n=12)
+    path = write(tensors)
+    model = _Holder(keep)
+    threads: set[int] = set()
+    reports: list[aload.Progress] = []
+
+    def progress(p: aload.Progress) -> None:
+        threads.add(threading.get_ident())
+        reports.append(p)
+
+    rename = S.rename(r"^layers\.", "model.layers.")  # a name-only stage: applied in the plan
+    report = await asyncio.wait_for(
+        aload.load(model, path, stages=rename, max_inflight_bytes=2 * MiB, chunk_bytes=MiB, progress=progress), 60
+    )
+    async with aload.stream(path, stages=rename) as s:
+        order = [name async for name, _ in s]  # file order, as a plain stream gives it
+    assert list(model.got) == order and len(order) == len(tensors)
+    assert all(torch.equal(model.got["model." + k], v) for k, v in tensors.items())
+    assert report.tensors == len(tensors) and report.bytes == sum(t.nbytes for t in tensors.values())
+    assert reports[-1].tensors == len(tensors) and threads == {threading.get_ident()}
+    if keep:
+        assert report.overdraft_bytes > 0
+    else:
+        assert report.peak_inflight_bytes <= 2 * MiB and report.overdraft_bytes == 0
+
+
+async def test_load_with_verify_delivers_only_what_the_plan_keeps(write: Callable[..., Path], tmp_path: Path) -> None:
+    import hashlib
+
+    tensors = big_checkpoint(n=6)
+    path = write(tensors)
+    model = _Holder(False)
+    keep = S.keep(lambda n: n.startswith("layers.2."))
+    digest = {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
+    report = await aload.load(model, path, stages=keep, verify=digest, chunk_bytes=MiB)
+    assert sorted(model.got) == ["layers.2.norm", "layers.2.w"]
+    assert all(torch.equal(t, tensors[n]) for n, t in model.got.items())
+    assert report.verified_shards == 1 and report.tensors == 2
+    assert report.bytes_read >= sum(t.nbytes for t in tensors.values())  # every byte went through the digest
