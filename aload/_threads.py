@@ -5,10 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+#: Items of pure-Python work (one module of a walk, one header entry) between two ``paced`` pauses:
+#: ~0.1-0.5 ms of work on this machine.
+PACE = 256
+
+
+def paced(items: Iterable[T], every: int = PACE) -> Iterator[T]:
+    """``items``, letting go of the GIL after every ``every`` of them. A thread that runs Python
+    without a call that releases the GIL keeps it for the interpreter's whole switch interval
+    (5 ms) each time another thread asks: the event loop fell 5 ms late on every tick while a
+    20,000-tensor checkpoint was planned on a thread. ``time.sleep(0)`` hands it over at once
+    to a thread that waits (p99 lateness 10.5 -> 0.4 ms against a busy thread) and costs ~1 us
+    when none does."""
+    for i, item in enumerate(items, 1):
+        yield item
+        if i % every == 0:
+            time.sleep(0)
 
 
 def start_thread(

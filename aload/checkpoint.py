@@ -26,7 +26,7 @@ MAX_INDEX_BYTES = 64 * 1024 * 1024
 #: First request for a header; grown once when the header is larger.
 HEADER_PROBE_BYTES = 64 * 1024
 #: Headers larger than this are parsed off the event loop.
-_INLINE_PARSE_BYTES = 1 << 20
+_INLINE_PARSE_BYTES = 64 << 10
 #: Reads in flight: one per core, at least 2, at most 8. Measured on 2 cores (docs/benchmarks.md):
 #: 2 reads gave the best cold throughput and kept loop lateness p99 under 3 ms; 4 gained ~5% warm
 #: and doubled the lateness.

@@ -9,13 +9,16 @@ implementation: the tensors, sorted by offset, tile the data area exactly.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from ._threads import paced
 from .errors import HeaderError
 
 #: safetensors' header limit; larger headers are refused before any allocation.
@@ -111,7 +114,7 @@ def parse_header(raw: bytes, file_size: int, url: str) -> Header:
     with gc_paused:
         obj = _load_json(raw, url)
         metadata = _metadata(obj.pop("__metadata__", None), url)
-        specs = [_spec(name, entry, url, data_start) for name, entry in obj.items()]
+        specs = [_spec(name, entry, url, data_start) for name, entry in paced(obj.items())]
         del obj
     specs.sort(key=lambda s: (s.start, s.end))
     _check_tiling(specs, file_size, data_start, url)
@@ -159,7 +162,7 @@ def _load_json(raw: bytes, url: str) -> dict[str, Any]:
 
     try:
         text = raw.decode("utf-8")
-        obj = json.loads(text)  # the C decoder, fast; duplicates are checked below
+        obj = _loads_in_pieces(text)  # the C decoder, fast; duplicates are checked below
         if _may_hide_duplicates(raw, obj):
             obj = json.loads(text, object_pairs_hook=no_duplicates)  # slow and exact
     except HeaderError:
@@ -169,6 +172,41 @@ def _load_json(raw: bytes, url: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise HeaderError(f"header is a JSON {type(obj).__name__}, not an object", url=url)
     return obj
+
+
+#: A large header is decoded this many characters at a time (~1 ms each): one ``json.loads`` of a
+#: 20,000-tensor header (1.9 MB) held the GIL 25-40 ms, and so the event loop, even from a thread.
+_JSON_PIECE = 64 * 1024
+
+
+def _loads_in_pieces(text: str) -> Any:
+    """``json.loads(text)``, for a large object in pieces cut between its entries, so other threads
+    get the GIL in between. Each piece is parsed as an object of its own; when every piece is a
+    non-empty object, the whole text is one object with the pieces' members in order (JSON's
+    grammar: ``{A,B}`` is an object when ``{A}`` and ``{B}`` are), so the result is exactly the
+    whole parse. A cut that falls inside a string or a nested value makes a piece fail to parse:
+    then the whole text is parsed at once, which also gives the exact error for invalid JSON."""
+    if len(text) <= 2 * _JSON_PIECE:
+        return json.loads(text)
+    cuts = [-1]  # the commas the text is cut at
+    while True:
+        at = text.find('},"', cuts[-1] + _JSON_PIECE)  # a value's end, the comma, the next key
+        if at < 0 or at > len(text) - _JSON_PIECE // 2:
+            break
+        cuts.append(at + 1)
+    cuts.append(len(text))
+    out: dict[str, Any] = {}
+    for i, (a, b) in enumerate(itertools.pairwise(cuts)):
+        piece = ("" if i == 0 else "{") + text[a + 1 : b] + ("" if b == len(text) else "}")
+        try:
+            part = json.loads(piece)
+        except ValueError:
+            return json.loads(text)
+        if type(part) is not dict or not part:
+            return json.loads(text)
+        out.update(part)
+        time.sleep(0)  # let a thread waiting for the GIL (the event loop) have it: see ``paced``
+    return out
 
 
 def _may_hide_duplicates(raw: bytes, obj: Any) -> bool:

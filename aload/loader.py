@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._threads import run_in_thread, start_thread
+from ._threads import PACE, paced, run_in_thread, start_thread
 from .bridge import LoadCancelled, SyncBridge
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint
 from .errors import AloadError, LoadError, UsageError, add_note
@@ -86,9 +86,9 @@ class _Walk:
 
     def missing(self, installed: set[str]) -> list[str]:
         """The first name of each persistent tensor installed under none of its names."""
-        covered = {self.state[n] for n in installed if n in self.state}
+        covered = {self.state[n] for n in paced(installed) if n in self.state}
         out: list[str] = []
-        for name, key in self.state.items():
+        for name, key in paced(self.state.items()):
             if key not in covered:
                 covered.add(key)  # a tie is reported once
                 out.append(name)
@@ -120,8 +120,12 @@ def _named_modules(model: nn.Module, remove_duplicate: bool) -> Iterator[tuple[s
     on 20,000 modules that was most of the walk)."""
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
+    walked = 0
     while stack:
         prefix, module = stack.pop()
+        walked += 1
+        if walked % PACE == 0:
+            time.sleep(0)  # see ``paced``: the walk runs on a thread beside the event loop
         if remove_duplicate:
             if id(module) in seen:
                 continue  # and its submodules, as named_modules does

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from ._threads import paced
 from .checkpoint import Checkpoint
 from .format import TensorSpec
 from .sources import Source
@@ -71,7 +72,7 @@ def make_plan(
     units: list[Unit] = []
     tensors = nbytes = 0
     group: Unit | None = None
-    for spec in ckpt.specs.values():
+    for spec in paced(ckpt.specs.values()):
         name = names(spec.name) if names is not None else spec.name
         skip = name is None
         if name is None:

@@ -126,3 +126,80 @@ async def test_huge_claimed_header_is_not_allocated(tmp_path: Path) -> None:
     path = raw_file(tmp_path / "liar.safetensors", b"{}", b"", length=90_000_000)
     with pytest.raises(aload.HeaderError, match="only"):
         await aload.open(path)
+
+
+TRICKY = {
+    "plain": {"a": {"x": 1}, "b": {"y": [1, 2]}},
+    "nested": {"a": {"x": {"q": 1}, "y": 2}, "b": 3, "c": {"d": {"e": {}}}},
+    "cut marks in names": {'a},"b': {"x": '},"'}, '"},"': {"y": "}"}, "c": {"z": '{"k":1},"'}},
+    "unicode": {"ünï": {"名前": '},"x'}, "b": {"c": 1}},
+}
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 5, 8, 13, 64])
+def test_a_large_header_decoded_in_pieces_is_exactly_the_whole_decode(
+    monkeypatch: pytest.MonkeyPatch, piece: int
+) -> None:
+    """Cut anywhere, between entries or inside names and nested values, the pieces give the
+    whole parse (same members, same order) or the text is parsed whole; invalid text fails
+    as it would whole."""
+    from aload import format as fmt
+
+    monkeypatch.setattr(fmt, "_JSON_PIECE", piece)
+    texts = [json.dumps(obj, separators=(",", ":"), ensure_ascii=False) for obj in TRICKY.values()]
+    texts += [json.dumps(obj) for obj in TRICKY.values()]  # spaces after commas: never cut
+    bad = [t[:-1] for t in texts] + [t + "x" for t in texts] + [t.replace('},"', '}},"', 1) for t in texts]
+    bad += ['{"a":{"x":1},"b":2}}', '{"a":{}},"b":{}}', '{,"a":{},"b":{}}', '{"a":{},"b":{},}', '{"a":{},,"b":{}}']
+    for text in texts + bad:
+        try:
+            want: Any = json.loads(text)
+        except ValueError:
+            want = ValueError
+        try:
+            got: Any = fmt._loads_in_pieces(text)
+        except ValueError:
+            got = ValueError
+        assert got == want, text
+        if isinstance(want, dict):
+            assert list(got) == list(want), text
+
+
+async def test_a_large_header_is_decoded_a_piece_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: Callable[..., Path]
+) -> None:
+    """No single ``json.loads`` of a 3,000-tensor header takes more than ~2 pieces of it (one
+    call holds the GIL, and so the event loop, for its whole length); a key named twice in
+    different pieces is still refused."""
+    from aload import format as fmt
+
+    tensors = {f"layers.{i}.weight": torch.full((2,), float(i)) for i in range(3000)}
+    path = write(tensors)
+    sizes: list[int] = []
+    real = json.loads
+
+    def loads(text: str, **kw: Any) -> Any:
+        sizes.append(len(text))
+        return real(text, **kw)
+
+    monkeypatch.setattr(fmt.json, "loads", loads)
+    got = await collect(aload.stream(path))
+    assert len(got) == 3000 and got["layers.2999.weight"].tolist() == [2999.0, 2999.0]
+    header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    assert header_len > 3 * fmt._JSON_PIECE  # the case under test: several pieces
+    assert len(sizes) > 2 and max(sizes) <= 2 * fmt._JSON_PIECE + 2
+
+    entries = {f"t{i}": entry(offsets=[8 * i, 8 * i + 8]) for i in range(3000)}
+    text = json.dumps(entries, separators=(",", ":"))
+    text = text[:-1] + ',"t5":' + json.dumps(entry(offsets=[24000, 24008]), separators=(",", ":")) + "}"
+    dup = raw_file(tmp_path / "dup.safetensors", text.encode(), b"\0" * 24008)
+    with pytest.raises(aload.HeaderError, match="twice"):
+        await aload.open(dup)
+
+
+def test_paced_hands_over_the_gil_every_so_many_items(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aload import _threads
+
+    slept: list[float] = []
+    monkeypatch.setattr(_threads.time, "sleep", slept.append)
+    assert list(_threads.paced(range(1000), every=256)) == list(range(1000))
+    assert slept == [0, 0, 0]
