@@ -12,13 +12,12 @@ import gc
 import itertools
 import json
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from ._threads import paced
+from ._threads import Pacer, paced
 from .errors import HeaderError
 
 #: safetensors' header limit; larger headers are refused before any allocation.
@@ -196,6 +195,7 @@ def _loads_in_pieces(text: str) -> Any:
         cuts.append(at + 1)
     cuts.append(len(text))
     out: dict[str, Any] = {}
+    pace = Pacer()
     for i, (a, b) in enumerate(itertools.pairwise(cuts)):
         piece = ("" if i == 0 else "{") + text[a + 1 : b] + ("" if b == len(text) else "}")
         try:
@@ -205,7 +205,7 @@ def _loads_in_pieces(text: str) -> Any:
         if type(part) is not dict or not part:
             return json.loads(text)
         out.update(part)
-        time.sleep(0)  # let a thread waiting for the GIL (the event loop) have it: see ``paced``
+        pace()  # let a thread waiting for the GIL (the event loop) have it: see ``paced``
     return out
 
 

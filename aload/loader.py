@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._threads import PACE, paced, run_in_thread, start_thread
+from ._threads import CHECK_EVERY, Pacer, paced, run_in_thread, start_thread
 from .bridge import LoadCancelled, SyncBridge
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint
 from .errors import AloadError, LoadError, UsageError, add_note
@@ -120,12 +120,12 @@ def _named_modules(model: nn.Module, remove_duplicate: bool) -> Iterator[tuple[s
     on 20,000 modules that was most of the walk)."""
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
-    walked = 0
+    walked, pace = 0, Pacer()  # see ``paced``: the walk runs on a thread beside the event loop
     while stack:
         prefix, module = stack.pop()
         walked += 1
-        if walked % PACE == 0:
-            time.sleep(0)  # see ``paced``: the walk runs on a thread beside the event loop
+        if walked % CHECK_EVERY == 0:
+            pace()
         if remove_duplicate:
             if id(module) in seen:
                 continue  # and its submodules, as named_modules does
