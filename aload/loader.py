@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._threads import CHECK_EVERY, Pacer, paced, run_in_thread, start_thread
+from ._threads import paced, run_in_thread, start_thread
 from .bridge import LoadCancelled, SyncBridge
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint
 from .errors import AloadError, LoadError, UsageError, add_note
@@ -100,7 +100,7 @@ def _walk(model: nn.Module) -> _Walk:
     # has to track (20,000 small lists were part of what set off a full collection mid-load).
     targets: dict[str, torch.Tensor] = {}
     state: dict[str, int] = {}
-    for prefix, module in _named_modules(model, remove_duplicate=False):
+    for prefix, module in paced(_named_modules(model, remove_duplicate=False)):  # on a thread
         pre = prefix + "." if prefix else ""
         for key, p in module._parameters.items():
             if p is not None:
@@ -120,12 +120,8 @@ def _named_modules(model: nn.Module, remove_duplicate: bool) -> Iterator[tuple[s
     on 20,000 modules that was most of the walk)."""
     seen: set[int] = set()
     stack: list[tuple[str, nn.Module]] = [("", model)]
-    walked, pace = 0, Pacer()  # see ``paced``: the walk runs on a thread beside the event loop
     while stack:
         prefix, module = stack.pop()
-        walked += 1
-        if walked % CHECK_EVERY == 0:
-            pace()
         if remove_duplicate:
             if id(module) in seen:
                 continue  # and its submodules, as named_modules does
@@ -229,7 +225,7 @@ class Loader:
     def postprocess_weights(self, model: nn.Module, device: torch.device) -> None:
         """For every module with a ``quant_method``: ``process_weights_after_loading(module)``."""
         classes: dict[type, bool] = {}
-        for _, module in _named_modules(model, remove_duplicate=True):  # model.modules()
+        for _, module in paced(_named_modules(model, remove_duplicate=True)):  # model.modules()
             method = _quant_method(module, classes)
             if method is not None and hasattr(method, "process_weights_after_loading"):
                 with device_loading_context(module, device):
