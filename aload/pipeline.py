@@ -90,7 +90,7 @@ class TensorStream:
         if self._verify is not None:
             digests = await digests_for(self._verify, self.checkpoint)
             hashes = {s.url: ShardHash(s, digests[s.url]) for s in self.checkpoint.shards}
-        args = (self.checkpoint, self._names, await self._direct(), group, hashes is not None)
+        args = (self.checkpoint, self._names, self._dest, group, hashes is not None)
         # Planning is pure Python, one step per tensor: for a large checkpoint on a thread, where
         # the interpreter switches away every 5 ms, not on the loop (20,000 tensors: ~40 ms).
         plan = (
@@ -104,17 +104,6 @@ class TensorStream:
         for stage in self._stages:
             it = stage(it)
             self._chain.append(it)
-
-    async def _direct(self) -> DestFn | None:
-        """The destinations, for the shards whose source reads straight into them (a pinned
-        buffer is the GPU path: there every known destination is read into directly)."""
-        dest, ckpt = self._dest, self.checkpoint
-        if dest is None or ckpt is None or self._reader_args["pin"]:
-            return dest
-        direct = {s.url for s in ckpt.shards if await ckpt.store.source(s.name).reads_direct()}
-        if len(direct) == len(ckpt.shards):
-            return dest
-        return lambda name, spec: dest(name, spec) if spec.shard in direct else None
 
     @property
     def cuts_later(self) -> bool:

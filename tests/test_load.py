@@ -114,41 +114,6 @@ async def test_strict_reports_missing_and_unexpected(write: Callable[..., Path])
     assert torch.equal(m.lin.weight, torch.ones(3, 2))
 
 
-async def test_builtin_reads_a_cold_file_through_the_mapping(write: Callable[..., Path]) -> None:
-    """A file not all in the page cache is not read straight into the parameters: its pages come
-    in through the mapping and the loader copies them (same bytes, same model)."""
-    import os
-
-    import numpy as np
-
-    from aload.sources import _all_cached
-
-    tensors = llama_like(hidden=1024, dtype=torch.bfloat16)
-    path = write(tensors)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    if _all_cached(np.memmap(path, mode="r")):
-        pytest.skip("this filesystem keeps the file cached (tmpfs?)")
-
-    def flat() -> nn.Module:
-        model = nn.Module()
-        for k, v in tensors.items():
-            model.register_buffer(k.replace(".", "__"), torch.zeros(v.shape, dtype=v.dtype))
-        return model
-
-    rename = aload.stages.rename(r"\.", "__")
-    model = flat()
-    report = await aload.load(model, path, stages=rename)
-    assert report.direct_bytes == 0 and report.installed == len(tensors)
-    assert all(torch.equal(getattr(model, k.replace(".", "__")), v) for k, v in tensors.items())
-    again = await aload.load(flat(), path, stages=rename)  # all cached now: straight in
-    assert again.direct_bytes == sum(t.nbytes for t in tensors.values() if t.nbytes >= 1 << 20)
-
-
 async def test_shape_mismatch_names_both_shapes(write: Callable[..., Path]) -> None:
     path = write({"weight": torch.ones(3, 2), "bias": torch.ones(2)})
     with pytest.raises(aload.LoadError, match=r"shape \[3, 2\] in the checkpoint, \[2, 2\] in the model") as info:

@@ -1,0 +1,199 @@
+"""Local files: a file in the page cache is copied out of its mapping in large pieces; a file on
+disk is read with O_DIRECT (past the page cache) through small aligned buffers. Real files on this
+machine's filesystem; the file is made cold with fsync + POSIX_FADV_DONTNEED."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+import aload
+from aload.sources import DIRECT_PIECE_BYTES, WARM_PIECE_BYTES, IOPool, LocalSource, _all_cached
+
+from .conftest import llama_like
+
+MiB = 1 << 20
+
+
+def drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cached(path: Path) -> bool:
+    return _all_cached(np.memmap(path, mode="r"))
+
+
+def cold(path: Path) -> Path:
+    """``path`` out of the page cache, or the test skipped where the filesystem keeps it (tmpfs)
+    or refuses O_DIRECT."""
+    drop_cache(path)
+    if cached(path):
+        pytest.skip("this filesystem keeps the file cached (tmpfs?)")
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except (OSError, AttributeError):
+        pytest.skip("no O_DIRECT on this filesystem")
+    return path
+
+
+async def opened(path: Path, pools: list[IOPool]) -> LocalSource:
+    pool, direct = IOPool(2), IOPool(4)
+    pools += [pool, direct]
+    src = LocalSource(str(path), pool, "map", direct)
+    await src.size()
+    return src
+
+
+def flat(tensors: dict[str, torch.Tensor]) -> nn.Module:
+    model = nn.Module()
+    for k, v in tensors.items():
+        model.register_buffer(k.replace(".", "__"), torch.zeros(v.shape, dtype=v.dtype))
+    return model
+
+
+async def test_a_cold_file_is_read_past_the_page_cache_straight_into_the_parameters(
+    write: Callable[..., Path],
+) -> None:
+    tensors = llama_like(hidden=1024, dtype=torch.bfloat16)
+    path = cold(write(tensors))
+    rename = aload.stages.rename(r"\.", "__")
+    model = flat(tensors)
+    report = await aload.load(model, path, stages=rename)
+    assert report.direct_bytes == sum(t.nbytes for t in tensors.values() if t.nbytes >= MiB)
+    assert all(torch.equal(getattr(model, k.replace(".", "__")), v) for k, v in tensors.items())
+    assert not cached(path)  # O_DIRECT: the large tensors never went through the page cache
+
+
+async def test_a_cold_file_streams_through_buffers_within_the_budget(write: Callable[..., Path]) -> None:
+    """Without known destinations (load_weights, streams) a cold file is read into the budget's
+    buffers rather than mapped: same bytes, the bound kept, the page cache left alone."""
+    tensors = {f"w{i}": torch.randn(512, 1024 + i) for i in range(8)}  # ~2 MiB each, odd sizes
+    path = cold(write(tensors))
+    async with aload.stream(path, max_inflight_bytes=5 * MiB, chunk_bytes=MiB) as s:
+        got = {name: t.clone() async for name, t in s}
+        stats = s.stats
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert stats.peak_inflight_bytes <= 5 * MiB
+    assert not cached(path)
+
+
+async def test_direct_reads_at_unaligned_ranges_give_the_file_s_bytes(tmp_path: Path) -> None:
+    data = np.random.default_rng(0).integers(0, 256, 5 * MiB + 12345, dtype=np.uint8).tobytes()
+    path = tmp_path / "blob.safetensors"
+    path.write_bytes(data)
+    cold(path)
+    pools: list[IOPool] = []
+    src = await opened(path, pools)
+    try:
+        assert not src._cached() and src.piece_bytes(16 * MiB) == 16 * MiB and not src.maps()
+        size = len(data)
+        ranges = [
+            (0, 300_000),
+            (4095, MiB + 3),  # straddles pages at both ends
+            (DIRECT_PIECE_BYTES - 1, 2 * DIRECT_PIECE_BYTES + 2),  # several pieces, none aligned
+            (size - MiB - 777, MiB + 777),  # up to the end of the file, which is not aligned
+        ]
+        for offset, n in ranges:
+            buf = bytearray(n)
+            await src.readinto(offset, memoryview(buf))
+            assert bytes(buf) == data[offset : offset + n], (offset, n)
+        with pytest.raises(aload.SourceError, match="file ended") as info:
+            await src.readinto(size - MiB, memoryview(bytearray(2 * MiB)))
+        lo, hi = info.value.byte_range or (0, 0)
+        assert info.value.url == str(path) and size - MiB <= lo <= size < hi == size + MiB  # the piece that ran out
+    finally:
+        src.close()
+        for p in pools:
+            await p.aclose()
+
+
+async def test_a_filesystem_refusing_direct_reads_gets_buffered_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where O_DIRECT opens but a read is refused (EINVAL: an alignment the filesystem does not
+    take), that file is read buffered from then on, with the same bytes."""
+    data = np.random.default_rng(1).integers(0, 256, 3 * MiB + 5, dtype=np.uint8).tobytes()
+    path = tmp_path / "blob.safetensors"
+    path.write_bytes(data)
+    cold(path)
+    pools: list[IOPool] = []
+    src = await opened(path, pools)
+    refused: list[int] = []
+    real = os.preadv
+    dfd = src._dfd
+    assert dfd is not None
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        if fd == dfd:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    try:
+        buf = bytearray(len(data) - 10)
+        await src.readinto(10, memoryview(buf))
+        assert bytes(buf) == data[10:] and refused and src._dfd is None
+    finally:
+        monkeypatch.undo()
+        src.close()
+        os.close(dfd)  # close() no longer knows it: the source forgot it when it was refused
+        for p in pools:
+            await p.aclose()
+
+
+async def test_a_warm_file_is_copied_in_large_pieces(write: Callable[..., Path]) -> None:
+    path = write({"w": torch.ones(256, 1024)})
+    path.read_bytes()  # in the page cache
+    if not cached(path):
+        pytest.skip("the file did not stay in the page cache")
+    pools: list[IOPool] = []
+    src = await opened(path, pools)
+    try:
+        assert src._cached() and src.maps() and src.piece_bytes(16 * MiB) == WARM_PIECE_BYTES
+        buf = bytearray(MiB)
+        await src.readinto(8 + int.from_bytes(path.read_bytes()[:8], "little"), memoryview(buf))
+        with safe_open(str(path), "pt") as st:
+            assert bytes(buf) == st.get_tensor("w").numpy().tobytes()
+    finally:
+        src.close()
+        for p in pools:
+            await p.aclose()
+
+
+async def test_run_all_finishes_every_call_then_raises_the_first_error() -> None:
+    pool = IOPool(3)
+    ran: list[int] = []
+    lock = threading.Lock()
+
+    def call(i: int) -> None:
+        with lock:
+            ran.append(i)
+        if i in (3, 7):
+            raise ValueError(f"call {i}")
+
+    try:
+        await pool.run_all(call, [(i,) for i in range(10) if i not in (3, 7)])
+        with pytest.raises(ValueError, match=r"call [37]"):
+            await pool.run_all(call, [(i,) for i in range(10)])
+        assert sorted(ran) == sorted([i for i in range(10) if i not in (3, 7)] + list(range(10)))
+        await pool.run_all(call, [])
+        await asyncio.sleep(0)
+    finally:
+        await pool.aclose()
