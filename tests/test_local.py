@@ -149,11 +149,14 @@ async def test_a_filesystem_refusing_direct_reads_gets_buffered_ones(
     try:
         buf = bytearray(len(data) - 10)
         await src.readinto(10, memoryview(buf))
-        assert bytes(buf) == data[10:] and refused and src._dfd is None
+        assert bytes(buf) == data[10:] and refused
+        again = bytearray(MiB)
+        n = len(refused)
+        await src.readinto(2 * MiB, memoryview(again))
+        assert bytes(again) == data[2 * MiB : 3 * MiB] and len(refused) == n  # not asked again
     finally:
         monkeypatch.undo()
         src.close()
-        os.close(dfd)  # close() no longer knows it: the source forgot it when it was refused
         for p in pools:
             await p.aclose()
 
@@ -197,3 +200,19 @@ async def test_run_all_finishes_every_call_then_raises_the_first_error() -> None
         await asyncio.sleep(0)
     finally:
         await pool.aclose()
+
+
+async def test_a_pool_starts_all_its_threads_from_another_pool() -> None:
+    """The direct-read pool's 16 threads are started by a thread of the file pool, each start
+    waiting there rather than on the event loop; then every read finds a thread ready."""
+    helper, pool = IOPool(1), IOPool(6)
+    try:
+        await asyncio.gather(pool.start_from(helper), pool.start_from(helper))  # once, however asked
+        threads = list(pool.executor()._threads)  # type: ignore[attr-defined]
+        assert len(threads) == 6 and all(t.is_alive() for t in threads)
+        assert threading.current_thread() not in threads
+        await pool.run_all(lambda: None, [() for _ in range(12)])
+        assert len(pool.executor()._threads) == 6  # type: ignore[attr-defined]
+    finally:
+        await pool.aclose()
+        await helper.aclose()
