@@ -5,10 +5,11 @@ machine's filesystem; the file is made cold with fsync + POSIX_FADV_DONTNEED."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +53,24 @@ def cold(path: Path) -> Path:
     return path
 
 
-async def opened(path: Path, pools: list[IOPool]) -> LocalSource:
+def cold_blob(tmp_path: Path, n: int, seed: int) -> tuple[bytes, Path]:
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+    path = tmp_path / "blob.safetensors"
+    path.write_bytes(data)
+    return data, cold(path)
+
+
+@contextlib.asynccontextmanager
+async def opened(path: Path) -> AsyncIterator[LocalSource]:
     pool, direct = IOPool(2), IOPool(4)
-    pools += [pool, direct]
     src = LocalSource(str(path), pool, "map", direct)
-    await src.size()
-    return src
+    try:
+        await src.size()
+        yield src
+    finally:
+        src.close()
+        await pool.aclose()
+        await direct.aclose()
 
 
 def flat(tensors: dict[str, torch.Tensor]) -> nn.Module:
@@ -94,13 +107,8 @@ async def test_a_cold_file_streams_through_buffers_within_the_budget(write: Call
 
 
 async def test_direct_reads_at_unaligned_ranges_give_the_file_s_bytes(tmp_path: Path) -> None:
-    data = np.random.default_rng(0).integers(0, 256, 5 * MiB + 12345, dtype=np.uint8).tobytes()
-    path = tmp_path / "blob.safetensors"
-    path.write_bytes(data)
-    cold(path)
-    pools: list[IOPool] = []
-    src = await opened(path, pools)
-    try:
+    data, path = cold_blob(tmp_path, 5 * MiB + 12345, seed=0)
+    async with opened(path) as src:
         assert not src._cached() and src.piece_bytes(16 * MiB) == 16 * MiB and not src.maps()
         size = len(data)
         ranges = [
@@ -117,10 +125,6 @@ async def test_direct_reads_at_unaligned_ranges_give_the_file_s_bytes(tmp_path: 
             await src.readinto(size - MiB, memoryview(bytearray(2 * MiB)))
         lo, hi = info.value.byte_range or (0, 0)
         assert info.value.url == str(path) and size - MiB <= lo <= size < hi == size + MiB  # the piece that ran out
-    finally:
-        src.close()
-        for p in pools:
-            await p.aclose()
 
 
 async def test_a_filesystem_refusing_direct_reads_gets_buffered_ones(
@@ -128,25 +132,20 @@ async def test_a_filesystem_refusing_direct_reads_gets_buffered_ones(
 ) -> None:
     """Where O_DIRECT opens but a read is refused (EINVAL: an alignment the filesystem does not
     take), that file is read buffered from then on, with the same bytes."""
-    data = np.random.default_rng(1).integers(0, 256, 3 * MiB + 5, dtype=np.uint8).tobytes()
-    path = tmp_path / "blob.safetensors"
-    path.write_bytes(data)
-    cold(path)
-    pools: list[IOPool] = []
-    src = await opened(path, pools)
+    data, path = cold_blob(tmp_path, 3 * MiB + 5, seed=1)
     refused: list[int] = []
     real = os.preadv
-    dfd = src._dfd
-    assert dfd is not None
+    async with opened(path) as src:
+        dfd = src._dfd
+        assert dfd is not None
 
-    def preadv(fd: int, buffers: Any, offset: int) -> int:
-        if fd == dfd:
-            refused.append(offset)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, buffers, offset)
+        def preadv(fd: int, buffers: Any, offset: int) -> int:
+            if fd == dfd:
+                refused.append(offset)
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real(fd, buffers, offset)
 
-    monkeypatch.setattr(os, "preadv", preadv)
-    try:
+        monkeypatch.setattr(os, "preadv", preadv)
         buf = bytearray(len(data) - 10)
         await src.readinto(10, memoryview(buf))
         assert bytes(buf) == data[10:] and refused
@@ -154,11 +153,7 @@ async def test_a_filesystem_refusing_direct_reads_gets_buffered_ones(
         n = len(refused)
         await src.readinto(2 * MiB, memoryview(again))
         assert bytes(again) == data[2 * MiB : 3 * MiB] and len(refused) == n  # not asked again
-    finally:
         monkeypatch.undo()
-        src.close()
-        for p in pools:
-            await p.aclose()
 
 
 async def test_a_warm_file_is_copied_in_large_pieces(write: Callable[..., Path]) -> None:
@@ -166,18 +161,12 @@ async def test_a_warm_file_is_copied_in_large_pieces(write: Callable[..., Path])
     path.read_bytes()  # in the page cache
     if not cached(path):
         pytest.skip("the file did not stay in the page cache")
-    pools: list[IOPool] = []
-    src = await opened(path, pools)
-    try:
+    async with opened(path) as src:
         assert src._cached() and src.maps() and src.piece_bytes(16 * MiB) == WARM_PIECE_BYTES
         buf = bytearray(MiB)
         await src.readinto(8 + int.from_bytes(path.read_bytes()[:8], "little"), memoryview(buf))
         with safe_open(str(path), "pt") as st:
             assert bytes(buf) == st.get_tensor("w").numpy().tobytes()
-    finally:
-        src.close()
-        for p in pools:
-            await p.aclose()
 
 
 async def test_run_all_finishes_every_call_then_raises_the_first_error() -> None:
