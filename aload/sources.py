@@ -368,6 +368,12 @@ class LocalSource(Source):
         return self._bytes[offset : offset + length]
 
     async def populate(self, offset: int, length: int) -> None:
+        if self._cached():
+            # The consumer's first touch maps each page, as with any memory-mapped loader; mapping
+            # ahead on a thread only took cores from that copy (4 GiB through load_weights, warm,
+            # 3 runs each: 9.3-10.0 vs 9.3 GB/s, RSS 250 vs 508 MiB).
+            self._check_length(offset, length)
+            return
         await self._pool.run(self._populate, offset, length)
 
     def maps(self) -> bool:
@@ -439,12 +445,16 @@ class LocalSource(Source):
         for at in range(offset, offset + n, _LOCK_STEP):
             self.release(at, min(_LOCK_STEP, offset + n - at))
 
-    def _populate(self, offset: int, length: int) -> None:
-        assert self._fd is not None and self._bytes is not None
+    def _check_length(self, offset: int, length: int) -> None:
         # A mapped page past the end of a file truncated since it was opened would kill the
         # process (SIGBUS) when touched: check first, so the common case is an error instead.
+        assert self._fd is not None
         if os.fstat(self._fd).st_size < offset + length:
             raise SourceError("file shrank since it was opened", url=self.url, byte_range=(offset, offset + length))
+
+    def _populate(self, offset: int, length: int) -> None:
+        assert self._fd is not None and self._bytes is not None
+        self._check_length(offset, length)
         first = offset - offset % _PAGE
         if self._populate_read:
             # One call faults the range in (with the kernel's readahead) and lets go of the GIL

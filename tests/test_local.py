@@ -205,3 +205,17 @@ async def test_a_pool_starts_all_its_threads_from_another_pool() -> None:
     finally:
         await pool.aclose()
         await helper.aclose()
+
+
+async def test_a_cold_file_truncated_under_a_load_names_the_file_and_range(write: Callable[..., Path]) -> None:
+    tensors = {f"w{i}": torch.randn(256, 1024) for i in range(4)}  # 1 MiB each: read with O_DIRECT
+    path = write(tensors)
+    async with aload.open(path) as ckpt:
+        os.truncate(path, os.path.getsize(path) - 100)
+        cold(path)
+        with pytest.raises(aload.SourceError, match="file ended") as info:
+            async with aload.stream(ckpt) as s:
+                async for _ in s:
+                    pass
+    assert info.value.url == str(path) and info.value.byte_range is not None
+    assert info.value.byte_range[1] > os.path.getsize(path)
