@@ -249,8 +249,14 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
 # -- the driver -------------------------------------------------------------------------------------
 
 
+#: ``sys.setswitchinterval`` in every child when set (``--switch-interval``); None: Python's default.
+SWITCH_INTERVAL: float | None = None
+
+
 def child(loader: str, folder: Path, runai_c: int | None, scenario: str = "warm") -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--run", loader, "--ckpt", str(folder), "--scenario", scenario]
+    if SWITCH_INTERVAL is not None:
+        cmd += ["--switch-interval", str(SWITCH_INTERVAL)]
     if runai_c:
         cmd += ["--runai-concurrency", str(runai_c)]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -367,11 +373,20 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--runai-sweep", default="4,8,16,32", help="concurrencies tried for runai_best (warm, once)")
     ap.add_argument("--replot", action="store_true", help="redraw the plots from --out's rows and traces")
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        help="sys.setswitchinterval in every loader's process, for all loaders (default: Python's, 0.005 s)",
+    )
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--runai-concurrency", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--scenario", default="warm", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.switch_interval is not None:
+        global SWITCH_INTERVAL
+        SWITCH_INTERVAL = a.switch_interval
+        sys.setswitchinterval(a.switch_interval)
     if a.run:
         print(json.dumps(run_one(a.run, a.ckpt, a.runai_concurrency, a.scenario)))
         return
