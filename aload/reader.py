@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import ctypes
 import sys
 import time
 import weakref
@@ -32,7 +31,7 @@ import torch
 from .errors import UsageError
 from .integrity import ShardHash
 from .plan import Item, Plan, Unit
-from .sources import IOPool, Source
+from .sources import IOPool, Source, madvise_in_steps
 
 DEFAULT_MAX_INFLIGHT_BYTES = 512 * 1024 * 1024
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
@@ -115,13 +114,10 @@ class Arena:
         self._free.insert(i, (start, end))
 
 
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-if _libc is not None:
-    _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 _PAGE = 4096
-
-
+#: Fresh pages cost up to ~11 us each on the VM measured: 1 MiB a call keeps each hold of the
+#: memory-map lock to a few ms (see ``madvise_in_steps``).
 _PREFAULT_STEP = 1 << 20
 
 
@@ -131,15 +127,12 @@ def prefault(arr: np.ndarray[Any, Any], start: int, end: int) -> None:
     copied in (that held the loop 25-31 ms at p99). It saves little time where fresh memory is
     expensive in itself: 256 MiB took ~0.75 s either way in a new process on the VM measured.
     Contents are unchanged."""
-    if _libc is None or end <= start:
+    if not sys.platform.startswith("linux") or end <= start:
         return
-    # Whole pages around the range: populating a page does not change what it holds. In steps:
-    # one call holds the process's memory-map lock throughout, and fresh pages cost up to ~11 us
-    # each here, so 16 MiB in one call held every mmap (any allocation on the event loop) 45 ms.
+    # Whole pages around the range: populating a page does not change what it holds.
     lo = (arr.ctypes.data + start) // _PAGE * _PAGE
     hi = -(-(arr.ctypes.data + end) // _PAGE) * _PAGE
-    for at in range(lo, hi, _PREFAULT_STEP):  # on failure pages fault as before
-        _libc.madvise(ctypes.c_void_p(at), min(_PREFAULT_STEP, hi - at), _MADV_POPULATE_WRITE)
+    madvise_in_steps(lo, hi - lo, _MADV_POPULATE_WRITE, _PREFAULT_STEP)  # on failure pages fault as before
 
 
 def _host_array(n: int, pin: bool) -> np.ndarray[Any, Any]:
