@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from ._threads import run_in_thread
 from .errors import CheckpointError
 from .format import Header, TensorSpec, header_length, parse_header
 from .sources import Source, Store, open_store
@@ -158,7 +157,7 @@ async def _read_shard(store: Store, name: str) -> Shard:
     header: Header = (
         parse_header(raw, size, src.url)
         if n <= _INLINE_PARSE_BYTES
-        else await run_in_thread(parse_header, raw, size, src.url)
+        else await store.run(parse_header, raw, size, src.url)
     )
     return Shard(name, src.url, size, header.metadata, header.specs, prefix)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -113,11 +114,21 @@ def parse_header(raw: bytes, file_size: int, url: str) -> Header:
     with gc_paused:
         obj = _load_json(raw, url)
         metadata = _metadata(obj.pop("__metadata__", None), url)
-        specs = [_spec(name, entry, url, data_start) for name, entry in paced(obj.items())]
+        specs = []
+        for name, entry in paced(obj.items()):
+            specs.append(_spec(name, entry, url, data_start))
+            obj[name] = None  # freed here, a few at a time, not in one go at the end
         del obj
-    specs.sort(key=lambda s: (s.start, s.end))
+        # By (start, end) in two stable sorts on C keys that make no tuples: a lambda, or a key
+        # tuple per tensor (which set off collections), held the GIL 8-65 ms on 20,000 tensors,
+        # and the event loop with it. Both are one pass when the header is in offset order.
+        specs.sort(key=_END)
+        specs.sort(key=_START)
     _check_tiling(specs, file_size, data_start, url)
     return Header(tuple(specs), metadata, data_start)
+
+
+_START, _END = operator.attrgetter("start"), operator.attrgetter("end")
 
 
 class _GcPause:

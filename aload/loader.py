@@ -86,6 +86,8 @@ class _Walk:
 
     def missing(self, installed: set[str]) -> list[str]:
         """The first name of each persistent tensor installed under none of its names."""
+        if self.state.keys() <= installed:  # the usual case, in C: every name was installed
+            return []
         covered = {self.state[n] for n in paced(installed) if n in self.state}
         out: list[str] = []
         for name, key in paced(self.state.items()):
@@ -100,8 +102,7 @@ def _walk(model: nn.Module) -> _Walk:
     # has to track (20,000 small lists were part of what set off a full collection mid-load).
     targets: dict[str, torch.Tensor] = {}
     state: dict[str, int] = {}
-    for prefix, module in paced(_named_modules(model, remove_duplicate=False)):  # on a thread
-        pre = prefix + "." if prefix else ""
+    for pre, module in paced(_named_modules(model)):  # on a thread
         for key, p in module._parameters.items():
             if p is not None:
                 targets[pre + key] = p
@@ -114,21 +115,32 @@ def _walk(model: nn.Module) -> _Walk:
     return _Walk(model, targets, state)
 
 
-def _named_modules(model: nn.Module, remove_duplicate: bool) -> Iterator[tuple[str, nn.Module]]:
-    """``model.named_modules(remove_duplicate=...)``, same pairs in the same order, with a stack
-    instead of one generator per tree level (each name passed up through every level above it:
-    on 20,000 modules that was most of the walk)."""
-    seen: set[int] = set()
+def _named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``model.named_modules(remove_duplicate=False)`` as ``(prefix, module)``, the prefix being
+    the module's name and a dot ("" for the root), in the same order, with a stack instead of one
+    generator per tree level (each name passed up through every level above it: on 20,000
+    modules that was most of the walk)."""
     stack: list[tuple[str, nn.Module]] = [("", model)]
     while stack:
-        prefix, module = stack.pop()
-        if remove_duplicate:
-            if id(module) in seen:
-                continue  # and its submodules, as named_modules does
-            seen.add(id(module))
-        yield prefix, module
-        pre = prefix + "." if prefix else ""
-        stack.extend(reversed([(pre + k, m) for k, m in module._modules.items() if m is not None]))
+        pre, module = stack.pop()
+        yield pre, module
+        if module._modules:
+            stack.extend(reversed([(pre + k + ".", m) for k, m in module._modules.items() if m is not None]))
+
+
+def _modules(model: nn.Module) -> Iterator[nn.Module]:
+    """``model.modules()``, same modules in the same order, without building the names that
+    ``named_modules`` makes for each (half of the post-processing pass on 20,000 modules)."""
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue  # and its submodules, as modules() does
+        seen.add(id(module))
+        yield module
+        if module._modules:
+            stack.extend(reversed([m for m in module._modules.values() if m is not None]))
 
 
 @contextlib.contextmanager
@@ -225,7 +237,7 @@ class Loader:
     def postprocess_weights(self, model: nn.Module, device: torch.device) -> None:
         """For every module with a ``quant_method``: ``process_weights_after_loading(module)``."""
         classes: dict[type, bool] = {}
-        for _, module in paced(_named_modules(model, remove_duplicate=True)):  # model.modules()
+        for module in paced(_modules(model)):
             method = _quant_method(module, classes)
             if method is not None and hasattr(method, "process_weights_after_loading"):
                 with device_loading_context(module, device):

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
 from typing import Any
 
-from ._threads import run_in_thread
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint, _open
 from .errors import UsageError
 from .integrity import Manifest, ShardHash, digests_for
@@ -96,7 +95,7 @@ class TensorStream:
         plan = (
             make_plan(*args)
             if len(self.checkpoint.specs) < _PLAN_INLINE_TENSORS
-            else await run_in_thread(make_plan, *args)
+            else await self.checkpoint.store.run(make_plan, *args)
         )
         self.reader = Reader(plan, hashes=hashes, **self._reader_args)
         it: AsyncIterator[Pair] = self.reader.items()

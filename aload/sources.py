@@ -26,6 +26,7 @@ from urllib.parse import unquote, urlparse
 import aiofiles
 import numpy as np
 
+from ._threads import run_in_thread
 from .errors import SourceError, UsageError
 
 T = TypeVar("T")
@@ -107,6 +108,11 @@ class Store(ABC):
     @abstractmethod
     async def aclose(self) -> None:
         """Close every file and connection; wait for reads still running."""
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, blocking Python (a large header's parse, the read plan), off the event
+        loop: on a thread of the store's own where it has some, else on a new one."""
+        return await run_in_thread(fn, *args)
 
 
 def open_store(url: str, *, concurrency: int, **options: Any) -> Store:
@@ -535,6 +541,11 @@ class LocalStore(Store):
         if len(data) > limit:
             raise SourceError(f"larger than the {limit}-byte limit for this file", url=path)
         return data
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        # A thread of the read pool, started by the first reads: starting a new thread holds the
+        # event loop until that thread has run, 3-5 ms each when the cores are busy.
+        return await self._pool.run(fn, *args)
 
     async def aclose(self) -> None:
         try:

@@ -121,6 +121,23 @@ async def test_error_names_tensor_and_byte_range(tmp_path: Path) -> None:
     assert "'w'" in str(err) and "bytes [" in str(err)
 
 
+async def test_zero_size_tensors_and_a_header_out_of_offset_order(tmp_path: Path) -> None:
+    """Specs come out by (start, end): a zero-size tensor sharing its offset with the tensor that
+    starts there sorts before it, whatever order the header lists them in."""
+    header = {
+        "b": entry(offsets=[8, 16]),
+        "z2": entry(shape=[0], offsets=[16, 16]),
+        "z": entry(shape=[0, 3], offsets=[8, 8]),
+        "a": entry(offsets=[0, 8]),
+    }
+    data = bytes(range(16))
+    path = raw_file(tmp_path / "order.safetensors", header, data)
+    async with await aload.open(path) as ckpt:
+        assert list(ckpt.specs) == ["a", "z", "b", "z2"]
+    got = await collect(aload.stream(path))
+    assert got["b"].view(torch.uint8).tolist() == list(range(8, 16)) and got["z"].shape == (0, 3)
+
+
 async def test_huge_claimed_header_is_not_allocated(tmp_path: Path) -> None:
     """A header claiming 90 MB in a 100-byte file is refused from the file size alone."""
     path = raw_file(tmp_path / "liar.safetensors", b"{}", b"", length=90_000_000)

@@ -338,16 +338,18 @@ def test_load_under_uvloop_keeps_the_loop_free(tmp_path: Path) -> None:
 
 
 def test_one_walk_finds_what_named_parameters_buffers_and_state_dict_find() -> None:
-    from aload.loader import _named_modules, _walk
+    from aload.loader import _modules, _named_modules, _walk
 
     model = hf_llama(tie_word_embeddings=True)
     shared = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     model.extra = nn.ModuleList([shared, shared])  # a submodule (and its own) under two names
-    for dedup in (True, False):
-        got = list(_named_modules(model, remove_duplicate=dedup))
-        want = list(model.named_modules(remove_duplicate=dedup))
-        assert [n for n, _ in got] == [n for n, _ in want]
-        assert all(a is b for (_, a), (_, b) in zip(got, want, strict=True))
+    got = list(_named_modules(model))
+    want = list(model.named_modules(remove_duplicate=False))
+    assert [p for p, _ in got] == [n + "." if n else "" for n, _ in want]
+    assert all(a is b for (_, a), (_, b) in zip(got, want, strict=True))
+    modules = list(_modules(model))
+    assert len(modules) == len(list(model.modules())) < len(want)  # the shared module once
+    assert all(a is b for a, b in zip(modules, model.modules(), strict=True))
     model.extra[0][0].register_buffer("scratch", torch.zeros(2), persistent=False)
     model.extra[0][0].register_buffer("count", torch.zeros(1))
     walked = _walk(model)

@@ -86,6 +86,58 @@ async def test_small_tensors_coalesce_and_large_ones_split(write: Callable[..., 
     assert stats.reads == 1 + 4  # 200 small tensors in one read, the big one in four
 
 
+async def test_coalesced_units_start_small_and_double(write: Callable[..., Path]) -> None:
+    """The first tensors arrive after one small read, not a whole chunk's."""
+    from aload.plan import FIRST_GROUP_BYTES, make_plan
+
+    tensors = {f"n{i:04d}": torch.full((1024,), float(i)) for i in range(2048)}  # 4 KiB each, 8 MiB
+    path = write(tensors)
+    async with await aload.open(path) as ckpt:
+        plan = make_plan(ckpt, None, None, 2 * MiB)
+    sizes = [u.nbytes for u in plan.units]
+    assert sizes[:4] == [FIRST_GROUP_BYTES, 2 * FIRST_GROUP_BYTES, 4 * FIRST_GROUP_BYTES, 2 * MiB]
+    assert max(sizes) == 2 * MiB and sum(sizes) == 8 * MiB
+    assert [i.name for u in plan.units for i in u.items] == list(tensors)
+    got = await collect(aload.stream(path, chunk_bytes=2 * MiB))
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+async def test_header_parse_and_plan_run_on_the_stores_own_threads(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large header's parse and a large plan run on the read pool's threads, which are
+    already running, not on new ones (each start holds the event loop until the thread runs)."""
+    import threading
+
+    from aload import checkpoint, pipeline
+
+    where: dict[str, str] = {}
+
+    def on_thread(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def wrapped(*args: object) -> object:
+            where[name] = threading.current_thread().name
+            return fn(*args)
+
+        return wrapped
+
+    monkeypatch.setattr(checkpoint, "parse_header", on_thread("parse", checkpoint.parse_header))
+    monkeypatch.setattr(pipeline, "make_plan", on_thread("plan", pipeline.make_plan))
+    tensors = {f"layer.{i}.norm": torch.full((4,), float(i)) for i in range(3000)}  # a ~200 KB header
+    path = write(tensors)
+    started = threading.Thread.start
+    starts: list[str] = []
+
+    def start(self: threading.Thread) -> None:
+        starts.append(self.name)
+        started(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    got = await collect(aload.stream(path))
+    assert len(got) == len(tensors)
+    assert where["parse"].startswith("aload-io") and where["plan"].startswith("aload-io"), where
+    assert not [n for n in starts if n.startswith("aload-worker")], starts
+
+
 async def test_tensor_larger_than_budget_is_delivered_alone(write: Callable[..., Path]) -> None:
     tensors = {"a": torch.randn(1000), "huge": torch.randn(2 * MiB // 4), "z": torch.randn(1000)}
     path = write(tensors)
