@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import CheckpointError
 from .format import Header, TensorSpec, header_length, parse_header
-from .sources import Source, Store, open_store
+from .sources import Source, Store, import_store, open_store
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 64 * 1024 * 1024
@@ -107,6 +107,7 @@ def open(url: str, *, concurrency: int = DEFAULT_CONCURRENCY, **options: Any) ->
 
 
 async def _open(url: str, *, concurrency: int, **options: Any) -> Checkpoint:
+    await import_store(url)
     store = open_store(url, concurrency=concurrency, **options)
     try:
         return await _read_layout(store)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import errno
 import importlib
@@ -115,21 +116,38 @@ class Store(ABC):
         return await run_in_thread(fn, *args)
 
 
-def open_store(url: str, *, concurrency: int, **options: Any) -> Store:
-    """The Store for ``url``, chosen by scheme; an optional client is imported only here."""
+def _store_target(url: str) -> tuple[str, str, str | None]:
+    """(module, class, extra that installs its client) of the Store for ``url``'s scheme."""
     scheme = urlparse(url).scheme if "://" in url else ""
     if scheme not in STORES:
         known = ", ".join(sorted(s + "://" for s in STORES if s))
         raise UsageError(f"no source for scheme {scheme!r} (known: {known}, or a local path)", url=url)
     target, extra = STORES[scheme]
     module_name, cls_name = target.split(":")
+    return module_name, cls_name, extra
+
+
+def open_store(url: str, *, concurrency: int, **options: Any) -> Store:
+    """The Store for ``url``, chosen by scheme; its module (with any optional client) is imported
+    here if ``import_store`` has not already, on a thread."""
+    module_name, cls_name, extra = _store_target(url)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         hint = f": pip install 'aload[{extra}]'" if extra else ""
-        raise UsageError(f"{scheme}:// needs an optional dependency{hint}", url=url) from exc
+        raise UsageError(f"{urlparse(url).scheme}:// needs an optional dependency{hint}", url=url) from exc
     cls: Callable[..., Store] = getattr(module, cls_name)
     return cls(url, concurrency=concurrency, **options)
+
+
+async def import_store(url: str) -> None:
+    """Import the module of ``url``'s Store on a thread, the first time: importing aiohttp took
+    ~150 ms here and aiobotocore ~120 ms more, all of it holding the event loop at a process's
+    first ``http://`` or ``s3://`` load. (``open_store`` then finds it imported.)"""
+    module_name = _store_target(url)[0]
+    if module_name not in sys.modules:
+        with contextlib.suppress(ImportError):  # open_store reports it, naming the extra to install
+            await run_in_thread(importlib.import_module, module_name)
 
 
 class IOPool:

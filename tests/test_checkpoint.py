@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -128,3 +131,34 @@ async def test_file_url_and_unknown_scheme(write: Callable[..., Path]) -> None:
         assert list(ckpt.specs) == ["a"]
     with pytest.raises(aload.UsageError, match="no source for scheme"):
         await aload.open("gopher://x/y")
+
+
+def test_an_optional_client_is_imported_off_the_event_loop() -> None:
+    """A process's first http:// or s3:// open imports aiohttp (~150 ms here) and aiobotocore
+    (~120 ms more) on a thread: on the loop they held it that long."""
+    code = textwrap.dedent(
+        """
+        import asyncio, sys, threading
+        import aload, aload.checkpoint
+        on_main = {}
+        class Watch:
+            def find_spec(self, name, path=None, target=None):
+                if name in ("aiohttp", "aiobotocore") and name not in on_main:
+                    on_main[name] = threading.current_thread() is threading.main_thread()
+        sys.meta_path.insert(0, Watch())
+        assert "aiohttp" not in sys.modules and "aiobotocore" not in sys.modules
+        def stop(url, **options):  # no network: the import is what is looked at
+            raise aload.UsageError("stop", url=url)
+        aload.checkpoint.open_store = stop
+        async def first_open(url):
+            try:
+                await aload.open(url)
+            except aload.UsageError:
+                pass
+        for url in ("http://127.0.0.1:9/m", "s3://bucket/m"):
+            asyncio.run(first_open(url))
+        print(sorted(on_main.items()))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[('aiobotocore', False), ('aiohttp', False)]", out.stdout + out.stderr
