@@ -129,7 +129,7 @@ def _store_target(url: str) -> tuple[str, str, str | None]:
 
 def open_store(url: str, *, concurrency: int, **options: Any) -> Store:
     """The Store for ``url``, chosen by scheme; its module (with any optional client) is imported
-    here if ``import_store`` has not already, on a thread."""
+    here unless ``import_store`` already did, on a thread."""
     module_name, cls_name, extra = _store_target(url)
     try:
         module = importlib.import_module(module_name)
