@@ -1,0 +1,121 @@
+"""Where the event loop is late during one load, and why: the stall sampler the lateness notes in
+docs/benchmarks.md come from.
+
+    python benchmarks/loop_stalls.py CHECKPOINT_DIR [--load-weights] [--cold] [--late-ms 3]
+
+A 1 ms ticker runs on the loop while ``aload.load`` fills a preallocated model (or, with
+``--load-weights``, a vLLM-style ``load_weights`` that ``copy_()``s each tensor). A watchdog thread
+looks every 0.5 ms; when the ticker is more than ``--late-ms`` late, it records the loop thread's
+stack and the stack of every other thread that is not idle in a pool, so a stall shows what held
+the loop up: the GIL held by Python on another thread, a thread start (``Thread.start`` waits for
+the new thread), a lock, or no core free. One line per stall: milliseconds since the load began,
+how late, the loop thread's innermost frames; then the busy threads. Python's profilers do not
+show these (the loop thread is not running, it is waiting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.suite import drop_cache, shards, warm_cache
+
+#: A pool thread waiting for work (``concurrent.futures.thread._worker`` at its queue ``get``).
+_IDLE = ("_worker", "thread.py")
+
+
+def frames(frame: Any, depth: int) -> str:
+    stack = traceback.extract_stack(frame)[-depth:]
+    return " < ".join(f"{Path(f.filename).name}:{f.name}:{f.lineno}" for f in reversed(stack))
+
+
+def idle(frame: Any) -> bool:
+    top = traceback.extract_stack(frame)[-1]
+    return (top.name, Path(top.filename).name) == _IDLE or top.name in ("wait", "_wait_for_tstate_lock")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--load-weights", action="store_true", help="through a vLLM-style load_weights")
+    ap.add_argument("--cold", action="store_true", help="drop the files from the page cache first")
+    ap.add_argument("--late-ms", type=float, default=3.0)
+    a = ap.parse_args()
+
+    import torch
+    from safetensors import safe_open
+
+    import aload
+    from examples.demo import empty_model
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in shards(a.folder):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                shapes[k] = tuple(st.get_slice(k).get_shape())
+    model = empty_model(shapes, torch.bfloat16)
+    params = dict(model.named_parameters())
+    drop_cache(a.folder) if a.cold else warm_cache(a.folder)
+
+    class Engine(torch.nn.Module):
+        def load_weights(self, weights: Any) -> set[str]:
+            for name, t in weights:
+                params[name].data.copy_(t)
+            return set()
+
+    loop_thread = threading.get_ident()
+    last = [time.perf_counter()]
+    t0 = [0.0]
+    stop = threading.Event()
+    stalls: list[tuple[float, float, str, list[str]]] = []
+
+    def watch() -> None:
+        me = threading.get_ident()
+        while not stop.wait(0.0005):
+            late = time.perf_counter() - last[0]
+            if late * 1e3 <= a.late_ms:
+                continue
+            current = sys._current_frames()
+            loop_frame = current.get(loop_thread)
+            busy = [frames(f, 4) for tid, f in current.items() if tid not in (loop_thread, me) and not idle(f)]
+            stalls.append((time.perf_counter() - t0[0], late, frames(loop_frame, 5) if loop_frame else "?", busy))
+            while time.perf_counter() - last[0] > a.late_ms / 1e3 and not stop.is_set():
+                time.sleep(0.0005)  # one record per stall
+
+    async def run() -> Any:
+        async def tick() -> None:
+            while True:
+                last[0] = time.perf_counter()
+                await asyncio.sleep(0.001)
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0)
+        watcher = threading.Thread(target=watch, name="stall-watch", daemon=True)
+        watcher.start()
+        t0[0] = time.perf_counter()
+        try:
+            return await aload.load(Engine() if a.load_weights else model, a.folder)
+        finally:
+            stop.set()
+            ticker.cancel()
+            watcher.join()
+
+    report = asyncio.run(run())
+    print(report.summary())
+    print(f"{len(stalls)} stall(s) over {a.late_ms} ms:")
+    for at, late, loop_stack, busy in stalls:
+        print(f"{at * 1e3:8.1f} ms  {late * 1e3:5.1f} ms late  loop: {loop_stack}")
+        for b in busy:
+            print(f"{'':26}busy: {b}")
+
+
+if __name__ == "__main__":
+    main()
