@@ -348,7 +348,13 @@ class Reader:
 
     # -- reads ----------------------------------------------------------------------------
     async def _produce(self) -> None:
+        # Every source made ready at once, not one by one as the plan reaches it: a thread round
+        # trip per shard, in turn, made a 64-shard load 7-10% slower.
+        ready = asyncio.ensure_future(_all_ready(self.plan))
+        self._tasks.add(ready)
+        ready.add_done_callback(self._tasks.discard)
         for unit in self.plan.units:
+            await unit.source.ready()  # at once but for a source's first unit, or if it failed
             if self._buffered(unit):
                 while self._unread >= self._window:
                     self._changed.clear()
@@ -510,6 +516,13 @@ class Reader:
         self._arena.drop()  # tensors still held keep their part alive; the rest returns now
         await self._helper.aclose()
         await self._hasher.aclose()
+
+
+async def _all_ready(plan: Plan) -> None:
+    """``ready()`` for every source of ``plan``, in plan order, all started together (each source
+    shares one outcome among all who wait for it); errors surface where ``_produce`` awaits."""
+    sources = list({id(u.source): u.source for u in plan.units}.values())
+    await asyncio.gather(*(s.ready() for s in sources), return_exceptions=True)
 
 
 def _check_positive(**values: int) -> None:

@@ -53,9 +53,14 @@ class Source(ABC):
     async def size(self) -> int:
         """The object's length in bytes."""
 
+    async def ready(self) -> None:
+        """Whatever blocking set-up this source's data reads need, done off the event loop;
+        awaited before ``maps`` is asked."""
+        return None
+
     def maps(self) -> bool:
         """Whether units are handed out as views (``view``/``populate``) rather than read into
-        buffers; asked once ``size`` has been awaited."""
+        buffers; asked once ``size`` and ``ready`` have been awaited."""
         return self.can_map
 
     def view(self, offset: int, length: int) -> np.ndarray[Any, Any]:
@@ -360,6 +365,7 @@ class LocalSource(Source):
         self._bytes: np.ndarray[Any, Any] | None = None
         self._populate_read = _libc is not None and sys.platform.startswith("linux")
         self._warm: bool | None = None  # whether the file sat in the page cache when first read
+        self._deciding: asyncio.Future[bool] | None = None  # working that out, on a thread
 
     def _open(self) -> int:
         if self._fd is None:
@@ -389,7 +395,7 @@ class LocalSource(Source):
         n = len(buf)
         if n < DIRECT_MIN_BYTES or not self.can_map or not self._size:
             await self._pool.run(_pread_into, self._fd, buf, offset, self.url)
-        elif self._cached() or not self._direct:
+        elif await self._decided() or not self._direct:
             await self._pool.run(self._copy_out, offset, buf)
         else:
             assert self._direct_pool is not None  # _direct: the file opened with O_DIRECT in it
@@ -405,7 +411,7 @@ class LocalSource(Source):
         return self._bytes[offset : offset + length]
 
     async def populate(self, offset: int, length: int) -> None:
-        if self._cached():
+        if await self._decided():
             # The consumer's first touch maps each page, as with any memory-mapped loader; mapping
             # ahead on a thread only took cores from that copy (4 GiB through load_weights, warm,
             # 3 runs each: 9.3-10.0 vs 9.3 GB/s, RSS 250 vs 508 MiB).
@@ -423,15 +429,29 @@ class LocalSource(Source):
         is fastest), ``chunk_bytes`` for one on disk (each is split into direct reads)."""
         return max(chunk_bytes, WARM_PIECE_BYTES) if self._cached() else chunk_bytes
 
-    def _cached(self) -> bool:
-        """Whether the file sat in the page cache when its data was first read (decided once, on
-        the loop, where the mapping is made)."""
+    async def ready(self) -> None:
+        await self._decided()
+
+    async def _decided(self) -> bool:
+        """``_cached()``, worked out on a thread the first time: mapping the file waits for the
+        process's memory-map lock, and ``mincore`` walks the whole file; on the loop that was
+        3-9 ms of lateness per shard of a 64-shard checkpoint."""
         if self._warm is None:
-            self._warm = self.can_map and bool(self._size)
-            if self._warm:
+            if self._deciding is None:  # one decision, however many reads ask at once
+                self._deciding = asyncio.ensure_future(self._pool.run(self._cached))
+            await asyncio.shield(self._deciding)
+        return bool(self._warm)
+
+    def _cached(self) -> bool:
+        """Whether the file sat in the page cache when its data was first read (decided once;
+        see ``_decided``)."""
+        if self._warm is None:
+            warm = self.can_map and bool(self._size)
+            if warm:
                 self.view(0, 0)
                 assert self._bytes is not None
-                self._warm = _all_cached(self._bytes)
+                warm = _all_cached(self._bytes)
+            self._warm = warm  # set once, when known: the loop may look meanwhile
         return self._warm
 
     def _read_direct(self, offset: int, buf: memoryview) -> None:

@@ -169,6 +169,31 @@ async def test_a_warm_file_is_copied_in_large_pieces(write: Callable[..., Path])
             assert bytes(buf) == st.get_tensor("w").numpy().tobytes()
 
 
+async def test_whether_each_shard_is_cached_is_worked_out_off_the_event_loop(
+    sharded: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mapping a shard and asking ``mincore`` about all of it happen on a read thread, once per
+    shard however many reads ask at once (on the loop: 3-9 ms of lateness per shard)."""
+    tensors = {f"layers.{i}.w": torch.full((64, 1024), float(i)) for i in range(8)}
+    folder = sharded(tensors, 4)
+    decided: list[tuple[str, bool]] = []
+    real = LocalSource._cached
+
+    def cached(self: LocalSource) -> bool:
+        if self._warm is None:
+            decided.append((self.url, threading.current_thread() is threading.main_thread()))
+        return real(self)
+
+    monkeypatch.setattr(LocalSource, "_cached", cached)
+    got = {}
+    async with aload.stream(folder) as s:
+        async for name, t in s:
+            got[name] = t.clone()
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert len(decided) == 4 and len({u for u, _ in decided}) == 4  # each shard once
+    assert not any(on_loop for _, on_loop in decided), decided
+
+
 async def test_run_all_finishes_every_call_then_raises_the_first_error() -> None:
     pool = IOPool(3)
     ran: list[int] = []
