@@ -79,6 +79,29 @@ def make_many(folder: Path, n: int = 20_000) -> Path:
     return folder
 
 
+def make_many_shards(folder: Path, n_shards: int = 64, per_shard: int = 300) -> Path:
+    """``n_shards`` shards with an index, ``per_shard`` tensors of 32 KiB each (19,200 tensors,
+    0.63 GB by default): what opening and reading many shards costs, and where the loop waits."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    if not (folder / "model.safetensors.index.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        g = torch.Generator().manual_seed(0)
+        weight_map: dict[str, str] = {}
+        for s in range(n_shards):
+            name = f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors"
+            part = {
+                f"model.layers.{s}.w{i}": torch.randn(64, 256, generator=g).to(torch.bfloat16) for i in range(per_shard)
+            }
+            save_file(part, str(folder / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, name))
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
 def shards(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
@@ -367,6 +390,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,4,8", help="GiB, comma separated")
     ap.add_argument("--many", action="store_true", help="also the 20,000-tensor checkpoint")
+    ap.add_argument("--many-shards", action="store_true", help="also a checkpoint of 64 small shards")
     ap.add_argument("--scenarios", default="warm,cold")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--loaders", default="all")
@@ -403,6 +427,8 @@ def main() -> None:
     ckpts: dict[str, Path] = {f"{s}GiB": make_llama(a.out / f"ckpt-{s}g", float(s)) for s in a.sizes.split(",") if s}
     if a.many:
         ckpts["20k-tensors"] = make_many(a.out / "ckpt-many")
+    if a.many_shards:
+        ckpts["64-shards"] = make_many_shards(a.out / "ckpt-64-shards")
     runai_c = None
     if "runai_best" in loaders:
         first = next(iter(ckpts.values()))
