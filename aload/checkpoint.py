@@ -111,6 +111,7 @@ async def _open(url: str, *, concurrency: int, **options: Any) -> Checkpoint:
     await import_store(url)
     store = open_store(url, concurrency=concurrency, **options)
     try:
+        await store.prepare()
         return await _read_layout(store)
     except BaseException:
         await store.aclose()

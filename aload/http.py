@@ -17,6 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
+from ._threads import run_in_thread
 from .errors import SourceError, UsageError
 from .sources import Source, Store
 
@@ -193,6 +194,12 @@ class HttpSource(Source):
         ) from None  # aiohttp's own errors may quote the full URL, query string included
 
 
+def _tls_context(ca_bundle: str) -> Any:
+    import ssl
+
+    return ssl.create_default_context(cafile=ca_bundle)
+
+
 class HttpStore(Store):
     """A checkpoint behind HTTP(S). Options: ``headers`` (added to every request), ``token``
     (a bearer token; ``HF_TOKEN`` is used for huggingface.co), ``timeout`` (seconds without
@@ -229,6 +236,7 @@ class HttpStore(Store):
         values += tuple(v.removeprefix("Bearer ") for v in self._headers.values())  # a token given as a header
         self._secrets = sorted({v for v in values if v and len(v) >= 4}, key=len, reverse=True)
         self._session: aiohttp.ClientSession | None = None
+        self._ssl: Any = None  # the TLS context for ca_bundle, made by prepare()
         self._sources: dict[str, HttpSource] = {}
 
     def scrub(self, text: str) -> str:
@@ -237,11 +245,15 @@ class HttpStore(Store):
             text = text.replace(secret, "***")
         return text
 
+    async def prepare(self) -> None:
+        # Loading a CA bundle parses every certificate in it: 29-32 ms for the system bundle here,
+        # on a thread rather than on the loop.
+        if self._ca and self._ssl is None:
+            self._ssl = await run_in_thread(_tls_context, self._ca)
+
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            import ssl
-
-            ssl_ctx: Any = ssl.create_default_context(cafile=self._ca) if self._ca else True
+            ssl_ctx: Any = self._ssl if self._ssl is not None else (_tls_context(self._ca) if self._ca else True)
             self._session = aiohttp.ClientSession(
                 headers=self._headers,
                 connector=aiohttp.TCPConnector(limit=self._concurrency + 2, ssl=ssl_ctx),

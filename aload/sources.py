@@ -120,6 +120,11 @@ class Store(ABC):
         loop: on a thread of the store's own where it has some, else on a new one."""
         return await run_in_thread(fn, *args)
 
+    async def prepare(self) -> None:
+        """Blocking set-up the store needs before its first request (a TLS context from a CA
+        bundle), done off the event loop; awaited once, right after ``open_store``."""
+        return None
+
 
 def _store_target(url: str) -> tuple[str, str, str | None]:
     """(module, class, extra that installs its client) of the Store for ``url``'s scheme."""

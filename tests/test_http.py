@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -131,13 +133,24 @@ async def test_https_refuses_an_untrusted_certificate_and_accepts_a_given_ca(
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
     path = write({"w": torch.arange(6.0)})
+    made: list[bool] = []  # per TLS context from the bundle: made on the loop's thread?
+    real = ssl.create_default_context
+
+    def watched(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        if kwargs.get("cafile") == str(ca_file):
+            made.append(threading.current_thread() is threading.main_thread())
+        return real(*args, **kwargs)
+
     async with FileServer(ssl=server_ctx) as srv:
         srv.files["model.safetensors"] = path.read_bytes()
         assert srv.url.startswith("https://")
         with pytest.raises(aload.SourceError, match="TLS certificate not trusted"):
             await aload.open(srv.url + "/model.safetensors")
-        got = await collect(aload.stream(srv.url + "/model.safetensors", ca_bundle=str(ca_file)))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ssl, "create_default_context", watched)
+            got = await collect(aload.stream(srv.url + "/model.safetensors", ca_bundle=str(ca_file)))
     assert torch.equal(got["w"], torch.arange(6.0))
+    assert made == [False]  # once, on a thread: loading a bundle parses every certificate in it
 
 
 async def test_buffers_are_leased_just_ahead_of_the_reads(write: Callable[..., Path]) -> None:
