@@ -11,15 +11,17 @@ import asyncio
 import json
 import os
 import posixpath
-from collections.abc import Awaitable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from ._threads import CHECK_EVERY, Pacer
 from .errors import CheckpointError
-from .format import Header, TensorSpec, header_length, parse_header
+from .format import TensorSpec, header_length, parse_header
 from .sources import Source, Store, import_store, open_store
+
+T = TypeVar("T")
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 64 * 1024 * 1024
@@ -126,11 +128,7 @@ async def _read_layout(store: Store) -> Checkpoint:
     if raw is not None:
         index_url = posixpath.join(store.url, INDEX_NAME)
         # A large index on a thread: 19,200 entries took 16 ms on the loop.
-        weight_map, metadata = (
-            _parse_index(raw, index_url)
-            if len(raw) <= _INLINE_PARSE_BYTES
-            else await store.run(_parse_index, raw, index_url)
-        )
+        weight_map, metadata = await run_off_loop(store, len(raw) > _INLINE_PARSE_BYTES, _parse_index, raw, index_url)
         names = sorted(set(weight_map.values()))
     else:
         weight_map, metadata = None, {}
@@ -151,9 +149,14 @@ _INLINE_ASSEMBLE_TENSORS = 2000
 async def _assemble_off_loop(
     store: Store, shards: list[Shard], metadata: dict[str, Any], index: dict[str, str] | None
 ) -> Checkpoint:
-    if sum(len(s.specs) for s in shards) < _INLINE_ASSEMBLE_TENSORS:
-        return _assemble(store, shards, metadata, index)
-    return await store.run(_assemble, store, shards, metadata, index)
+    large = sum(len(s.specs) for s in shards) >= _INLINE_ASSEMBLE_TENSORS
+    return await run_off_loop(store, large, _assemble, store, shards, metadata, index)
+
+
+async def run_off_loop(store: Store, large: bool, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``: on one of ``store``'s threads when the work is ``large`` (pure Python that
+    would hold the event loop for milliseconds), else right here (a thread hop costs more)."""
+    return await store.run(fn, *args) if large else fn(*args)
 
 
 async def _read_shards(store: Store, names: list[str]) -> list[Shard]:
@@ -175,11 +178,7 @@ async def _read_shard(store: Store, name: str) -> Shard:
     if len(raw) < n:
         raw += await src.read(len(head), 8 + n - len(head))
     prefix = head[:8] + raw
-    header: Header = (
-        parse_header(raw, size, src.url)
-        if n <= _INLINE_PARSE_BYTES
-        else await store.run(parse_header, raw, size, src.url)
-    )
+    header = await run_off_loop(store, n > _INLINE_PARSE_BYTES, parse_header, raw, size, src.url)
     return Shard(name, src.url, size, header.metadata, header.specs, prefix)
 
 

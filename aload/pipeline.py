@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
 from typing import Any
 
-from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint, _open
+from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint, _open, run_off_loop
 from .errors import UsageError
 from .integrity import Manifest, ShardHash, digests_for
 from .plan import DestFn, Unit, make_plan
@@ -92,10 +92,8 @@ class TensorStream:
         args = (self.checkpoint, self._names, self._dest, group, hashes is not None)
         # Planning is pure Python, one step per tensor: for a large checkpoint on a thread, where
         # the interpreter switches away every 5 ms, not on the loop (20,000 tensors: ~40 ms).
-        plan = (
-            make_plan(*args)
-            if len(self.checkpoint.specs) < _PLAN_INLINE_TENSORS
-            else await self.checkpoint.store.run(make_plan, *args)
+        plan = await run_off_loop(
+            self.checkpoint.store, len(self.checkpoint.specs) >= _PLAN_INLINE_TENSORS, make_plan, *args
         )
         self.reader = Reader(plan, hashes=hashes, **self._reader_args)
         it: AsyncIterator[Pair] = self.reader.items()

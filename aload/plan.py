@@ -1,9 +1,10 @@
 """The read plan: which byte ranges to read, in which order, into what.
 
 Tensors are taken in shard order, then offset order. Neighbouring small tensors coalesce into
-one unit of up to ``chunk_bytes``, the first few units smaller (``FIRST_GROUP_BYTES``; a gap left
-by a pruned tensor, or a tensor whose offset would be misaligned for its dtype, starts a new unit); a large tensor is a unit of its own, read later
-as several chunks in parallel. A tensor whose destination is known is read straight into it.
+one unit of up to ``chunk_bytes``, the first few units smaller (``FIRST_GROUP_BYTES``); a gap left
+by a pruned tensor, or a tensor whose offset would be misaligned for its dtype, starts a new unit.
+A large tensor is a unit of its own, read later as several chunks in parallel. A tensor whose
+destination is known is read straight into it.
 """
 
 from __future__ import annotations

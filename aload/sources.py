@@ -292,8 +292,8 @@ _LOCK_STEP = 16 << 20  # the most one madvise call maps or unmaps (see madvise_i
 #: page cache 1.3-2.1, with the vCPUs busier (page-cache work and its copies).
 DIRECT_PIECE_BYTES = 1 << 20
 DIRECT_DEPTH = 16
-#: Reads smaller than this (headers, coalesced small tensors) stay buffered.
-DIRECT_MIN_BYTES = 256 << 10
+#: Reads smaller than this (headers, coalesced small tensors) stay buffered, even from a cold file.
+O_DIRECT_MIN_BYTES = 256 << 10
 _ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses in multiples of the block size
 _bounce = threading.local()
 
@@ -398,7 +398,7 @@ class LocalSource(Source):
             await self._pool.run(self._open)
         assert self._fd is not None
         n = len(buf)
-        if n < DIRECT_MIN_BYTES or not self.can_map or not self._size:
+        if n < O_DIRECT_MIN_BYTES or not self.can_map or not self._size:
             await self._pool.run(_pread_into, self._fd, buf, offset, self.url)
         elif await self._decided() or not self._direct:
             await self._pool.run(self._copy_out, offset, buf)
