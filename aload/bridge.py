@@ -25,6 +25,11 @@ from .stages import Pair
 #: whichever comes first: a wake-up per pair (a futex and a GIL hand-off each way) cost more
 #: than the pair itself on 20,000 small tensors.
 _WAKE_BATCH = 16
+#: Whole units waiting for the consumer's thread, at most. Each can be ``chunk_bytes`` or one large
+#: tensor: 64 of them let the reads run up to the whole budget ahead of the consumer (64 shards from
+#: a cold disk: 180-280 MiB of buffers, every fresh page faulted in on the cores the consumer and
+#: the event loop need; with 4, 113 MiB, throughput the same within the noise).
+_MAX_UNITS = 4
 
 
 class LoadCancelled(BaseException):
@@ -46,7 +51,8 @@ class SyncBridge(Iterator[Pair]):
     def __init__(self, stream: TensorStream, maxsize: int = 64) -> None:
         self._stream = stream
         self._loop = asyncio.get_running_loop()
-        self._max = maxsize
+        # Whole units are held to a few (see _MAX_UNITS), pairs to ``maxsize``.
+        self._max = maxsize if not stream.cuts_later else _MAX_UNITS
         self._items: collections.deque[Pair | _Batch] = collections.deque()
         self._batch: tuple[Unit, UnitView | None, Iterator[Item]] | None = None  # being cut
         self._cond = threading.Condition()

@@ -97,6 +97,29 @@ async def test_a_waiting_loader_gets_every_pair_when_they_trickle_in(write: Call
     assert all(torch.equal(t, tensors[n]) for n, t in got)
 
 
+async def test_a_slow_loader_holds_few_whole_units(write: Callable[..., Path]) -> None:
+    """Reads run a few units ahead of a slow ``load_weights``, not the whole budget: the bridge
+    holds at most ``bridge._MAX_UNITS`` (4) units for the consumer's thread."""
+    unit = 64 << 10
+    tensors = {f"t{i:03d}": torch.full((unit // 4,), float(i)) for i in range(80)}  # a unit each
+    path = write(tensors)
+    got: list[str] = []
+
+    class Engine(nn.Module):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for name, t in weights:
+                threading.Event().wait(0.2 if not got else 0.001)  # stalls at the first tensor
+                assert torch.equal(t, tensors[name])
+                got.append(name)
+            return set()
+
+    report = await aload.load(Engine(), path, chunk_bytes=unit, concurrency=2)
+    assert got == list(tensors)
+    # Queued in the reader (2 x concurrency), being read (concurrency), in the bridge, being cut.
+    ahead = 2 * 2 + 2 + 4 + 1
+    assert report.peak_inflight_bytes <= ahead * unit, report.peak_inflight_bytes // unit
+
+
 async def test_strict_reports_missing_and_unexpected(write: Callable[..., Path]) -> None:
     path = write({"lin.weight": torch.ones(3, 2), "extra": torch.ones(1)})
 
