@@ -8,7 +8,6 @@ files its ``weight_map`` names); a folder of ``*.safetensors`` without an index.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import posixpath
 from collections.abc import Awaitable, Callable, Generator
@@ -16,9 +15,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ._threads import CHECK_EVERY, Pacer
+from ._threads import CHECK_EVERY, Pacer, paced
 from .errors import CheckpointError
-from .format import TensorSpec, header_length, parse_header
+from .format import TensorSpec, header_length, loads_index, parse_header
 from .sources import Source, Store, import_store, open_store
 
 T = TypeVar("T")
@@ -184,16 +183,16 @@ async def _read_shard(store: Store, name: str) -> Shard:
 
 def _parse_index(raw: bytes, url: str) -> tuple[dict[str, str], dict[str, Any]]:
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        obj = loads_index(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise CheckpointError(f"index is not valid UTF-8 JSON: {exc}", url=url) from exc
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
+    if not isinstance(weight_map, dict):
         raise CheckpointError("index needs a weight_map of tensor names to file names", url=url)
     first: dict[str, str] = {}  # each file named once, with the first tensor placed in it
-    for tensor, fname in weight_map.items():
+    for tensor, fname in paced(weight_map.items()):  # on a thread for a large index
+        if type(fname) is not str:
+            raise CheckpointError("index needs a weight_map of tensor names to file names", url=url, tensor=tensor)
         first.setdefault(fname, tensor)
     for fname, tensor in first.items():  # a few hundred files at most, for ~100,000 entries
         _check_relative(fname, url, tensor)

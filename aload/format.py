@@ -9,9 +9,9 @@ implementation: the tensors, sorted by offset, tile the data area exactly.
 from __future__ import annotations
 
 import gc
-import itertools
 import json
 import operator
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -190,34 +190,89 @@ _JSON_PIECE = 64 * 1024
 
 
 def _loads_in_pieces(text: str) -> Any:
-    """``json.loads(text)``, for a large object in pieces cut between its entries, so other threads
-    get the GIL in between. Each piece is parsed as an object of its own; when every piece is a
-    non-empty object, the whole text is one object with the pieces' members in order (JSON's
-    grammar: ``{A,B}`` is an object when ``{A}`` and ``{B}`` are), so the result is exactly the
-    whole parse. A cut that falls inside a string or a nested value makes a piece fail to parse:
-    then the whole text is parsed at once, which also gives the exact error for invalid JSON."""
+    """``json.loads(text)`` of a header: a large one in pieces (see ``_object_in_pieces``), so other
+    threads get the GIL in between; invalid text is parsed whole, for the exact error."""
     if len(text) <= 2 * _JSON_PIECE:
         return json.loads(text)
-    cuts = [-1]  # the commas the text is cut at
-    while True:
-        at = text.find('},"', cuts[-1] + _JSON_PIECE)  # a value's end, the comma, the next key
-        if at < 0 or at > len(text) - _JSON_PIECE // 2:
-            break
-        cuts.append(at + 1)
-    cuts.append(len(text))
+    at = len(text) - len(text.lstrip(_WS))
+    got = _object_in_pieces(text, at, _HEADER_CUT) if text[at : at + 1] == "{" else None
+    if got is None or text[got[1] :].strip(_WS):
+        return json.loads(text)
+    return got[0]
+
+
+def loads_index(text: str) -> Any:
+    """``json.loads(text)`` of a checkpoint index: a large ``weight_map`` in pieces (89,820 entries,
+    8.7 MB: one ``json.loads`` held the GIL 48 ms, and so the event loop, from its thread). The
+    rest of the text is parsed with the map's object replaced by a string no index holds, which
+    must come back as the top level's one ``weight_map``: anything else is parsed whole."""
+    if len(text) <= 2 * _JSON_PIECE:
+        return json.loads(text)
+    m = _WEIGHT_MAP.search(text)
+    got = _object_in_pieces(text, m.end() - 1, _INDEX_CUT) if m is not None else None
+    if got is not None and m is not None:
+        weight_map, end = got
+        rest = text[: m.end() - 1] + json.dumps(_SPLICED) + text[end:]
+        if rest.count('"weight_map"') == 1:
+            try:
+                obj = json.loads(rest)
+            except ValueError:
+                obj = None
+            if type(obj) is dict and obj.get("weight_map") == _SPLICED:
+                obj["weight_map"] = weight_map  # the same key, so the same place in the order
+                return obj
+    return json.loads(text)
+
+
+_WS = " \t\n\r"  # JSON's whitespace
+_DECODE = json.JSONDecoder().raw_decode
+#: Where a large object may be cut: the comma (group 1) between two members, after a member whose
+#: value is an object (a header, as safetensors writes it) or a string (an index's weight_map).
+_HEADER_CUT = re.compile(r'\}(,)"')
+_INDEX_CUT = re.compile(r'"(,)[ \t\n\r]*"')
+_WEIGHT_MAP = re.compile(r'"weight_map"[ \t\n\r]*:[ \t\n\r]*\{')
+_SPLICED = "\x00aload: the weight_map"
+
+
+def _object_in_pieces(text: str, at: int, cut: re.Pattern[str]) -> tuple[dict[str, Any], int] | None:
+    """The JSON object that starts at ``text[at]`` and the index just past it, decoded a piece of
+    ~``_JSON_PIECE`` characters at a time, cut between members; None if a piece does not parse.
+
+    Each piece is parsed as an object of its own; when every piece is a non-empty object, the
+    whole is one object with the pieces' members in order (JSON's grammar: ``{A,B}`` is an object
+    when ``{A}`` and ``{B}`` are), so the result is exactly the whole parse. A cut that falls
+    inside a string or a nested value, or past the object's end, leaves a piece that does not
+    parse. The last piece is decoded up to the object's end, wherever that is."""
     out: dict[str, Any] = {}
     pace = Pacer()
-    for i, (a, b) in enumerate(itertools.pairwise(cuts)):
-        piece = ("" if i == 0 else "{") + text[a + 1 : b] + ("" if b == len(text) else "}")
+    begin = at  # where the next piece's members start: the object's "{", then after a cut's comma
+    while True:
+        m = cut.search(text, begin + _JSON_PIECE)
+        if m is None or m.start() > len(text) - _JSON_PIECE // 2:
+            break
+        comma = m.start(1)
+        piece = text[begin:comma] + "}" if begin == at else "{" + text[begin:comma] + "}"
         try:
             part = json.loads(piece)
         except ValueError:
-            return json.loads(text)
+            return None
         if type(part) is not dict or not part:
-            return json.loads(text)
+            return None
         out.update(part)
+        begin = comma + 1
         pace()  # let a thread waiting for the GIL (the event loop) have it: see ``paced``
-    return out
+    try:
+        if begin == at:
+            part, end = _DECODE(text, at)
+        else:
+            part, end = _DECODE("{" + text[begin:])
+            end += begin - 1
+    except ValueError:
+        return None
+    if type(part) is not dict or (begin != at and not part):
+        return None
+    out.update(part)
+    return out, end
 
 
 def _may_hide_duplicates(raw: bytes, obj: Any) -> bool:

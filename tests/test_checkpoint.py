@@ -8,6 +8,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ async def test_index_only_names_its_files(sharded: Callable[..., Path], write: C
         assert "stray" not in ckpt.specs and len(ckpt.shards) == 2
 
 
-def _rewrite_index(folder: Path, fn: Callable[[dict[str, str]], None]) -> None:
+def _rewrite_index(folder: Path, fn: Callable[[dict[str, Any]], None]) -> None:
     idx = folder / "model.safetensors.index.json"
     obj = json.loads(idx.read_text())
     fn(obj["weight_map"])
@@ -68,6 +69,20 @@ async def test_index_naming_files_outside_is_refused(sharded: Callable[..., Path
     folder = sharded(llama_like(), 2)
     _rewrite_index(folder, lambda wm: wm.__setitem__("model.norm.weight", bad))
     with pytest.raises(aload.CheckpointError, match="outside the checkpoint") as info:
+        await aload.open(folder)
+    assert info.value.tensor == "model.norm.weight"
+
+
+@pytest.mark.parametrize("pad", [0, 3000])  # a small index, and one parsed in pieces on a thread
+async def test_index_placing_a_tensor_in_a_non_string_is_refused(sharded: Callable[..., Path], pad: int) -> None:
+    folder = sharded(llama_like(), 2)
+
+    def spoil(wm: dict[str, Any]) -> None:
+        wm.update({f"unused.{i}": "model-00001-of-00002.safetensors" for i in range(pad)})
+        wm["model.norm.weight"] = ["model-00001-of-00002.safetensors"]
+
+    _rewrite_index(folder, spoil)
+    with pytest.raises(aload.CheckpointError, match="weight_map of tensor names to file names") as info:
         await aload.open(folder)
     assert info.value.tensor == "model.norm.weight"
 

@@ -181,6 +181,62 @@ def test_a_large_header_decoded_in_pieces_is_exactly_the_whole_decode(
             assert list(got) == list(want), text
 
 
+WM = {f"model.layers.{i}.w": f"model-{i % 3:05d}.safetensors" for i in range(40)}
+INDEXES = {
+    "plain": {"metadata": {"total_size": 1}, "weight_map": WM},
+    "map first": {"weight_map": WM, "metadata": {"a": {"b": [1, "}"]}}},
+    "nested weight_map": {"metadata": {"weight_map": {"x": "y", "z": "w"}}, "weight_map": WM},
+    "cut marks in names": {"weight_map": {'a", "b': "f", '","': '", "', "c": "d\\", 'e"': "f", **WM}},
+    "weight_map as a value": {"metadata": {"k": "weight_map"}, "weight_map": WM},
+    "unicode": {"weight_map": {"ünï": "名前", **WM, "x": "\\u0000"}},
+    "empty map": {"weight_map": {}, "pad": "x" * 50},
+}
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 5, 8, 13, 64])
+@pytest.mark.parametrize("indent", [None, 2])
+def test_an_index_decoded_in_pieces_is_exactly_the_whole_decode(
+    monkeypatch: pytest.MonkeyPatch, piece: int, indent: int | None
+) -> None:
+    """A weight_map decoded in pieces, cut anywhere, gives the whole parse (same members, same
+    order, the last of a name given twice) or the text is parsed whole; invalid text fails as it
+    would whole."""
+    from aload import format as fmt
+
+    monkeypatch.setattr(fmt, "_JSON_PIECE", piece)
+    texts = [json.dumps(obj, indent=indent, ensure_ascii=False) for obj in INDEXES.values()]
+    sep = ", " if indent is None else ",\n  "
+    texts += [t.replace('"weight_map"', '"weight_map"' + " " * 3, 1) for t in texts]  # space before ":"
+    texts.append(texts[0].rstrip()[:-1] + sep + '"weight_map": "later"}')  # named twice: the last counts
+    texts.append(texts[0].replace('"model.layers.3.w"', '"model.layers.30.w"', 1))  # a name twice, pieces apart
+    bad = [t[:-1] for t in texts] + [t + "x" for t in texts] + [t.replace(sep, sep + sep, 1) for t in texts]
+    bad += [t.replace('"metadata"', '"metadata" "', 1) for t in texts]
+    for text in texts + bad:
+        try:
+            want: Any = json.loads(text)
+        except ValueError:
+            want = ValueError
+        try:
+            got: Any = fmt.loads_index(text)
+        except ValueError:
+            got = ValueError
+        assert got == want, text
+        if isinstance(want, dict):
+            assert list(got) == list(want) and list(got["weight_map"]) == list(want["weight_map"]), text
+    # ... and a plain index is not parsed whole: no json.loads sees more than about two pieces
+    sizes: list[int] = []
+    real = json.loads
+
+    def loads(text: str, **kw: Any) -> Any:
+        sizes.append(len(text))
+        return real(text, **kw)
+
+    monkeypatch.setattr(fmt.json, "loads", loads)
+    text = texts[0]
+    assert fmt.loads_index(text) == real(text)
+    assert len(sizes) > 2 and max(sizes) < len(text) / 2 and max(sizes) <= 2 * piece + 200, (len(text), sizes)
+
+
 async def test_a_large_header_is_decoded_a_piece_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: Callable[..., Path]
 ) -> None:
