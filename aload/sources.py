@@ -89,6 +89,11 @@ class Source(ABC):
         await self.readinto(offset, memoryview(buf))
         return bytes(buf)
 
+    async def head(self, probe: int) -> tuple[int, bytes]:
+        """The object's size and its first ``probe`` bytes (all of it, if it is shorter)."""
+        size = await self.size()
+        return size, await self.read(0, min(size, probe))
+
 
 class Store(ABC):
     """A checkpoint location: a folder, an HTTP prefix, a bucket prefix."""
@@ -392,6 +397,16 @@ class LocalSource(Source):
             await self._pool.run(self._open)
         assert self._size is not None
         return self._size
+
+    async def head(self, probe: int) -> tuple[int, bytes]:
+        return await self._pool.run(self._head, probe)  # open, size and read: one trip to a thread
+
+    def _head(self, probe: int) -> tuple[int, bytes]:
+        self._open()
+        assert self._fd is not None and self._size is not None
+        buf = bytearray(min(self._size, probe))
+        _pread_into(self._fd, memoryview(buf), 0, self.url)
+        return self._size, bytes(buf)
 
     async def readinto(self, offset: int, buf: memoryview) -> None:
         if self._fd is None:

@@ -165,6 +165,35 @@ async def test_a_large_index_and_the_assembly_run_off_the_event_loop(
     assert on_loop == {"index": False, "assemble": False}
 
 
+async def test_every_header_is_read_before_any_is_parsed(
+    sharded: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads first, then parsing on the loop one header at a time: parsing while the read threads
+    came and went for the GIL left the loop late by 5-14 ms, again and again (163 shards)."""
+    from aload import checkpoint
+
+    done: list[str] = []
+    seen_at_first_parse: list[int] = []
+    read_head, parse = checkpoint._read_head, checkpoint.parse_header
+
+    async def counted(store: object, name: str) -> object:
+        got = await read_head(store, name)  # type: ignore[arg-type]
+        done.append(name)
+        return got
+
+    def parse_header(*args: object) -> object:
+        seen_at_first_parse.append(len(done))
+        return parse(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checkpoint, "_read_head", counted)
+    monkeypatch.setattr(checkpoint, "parse_header", parse_header)
+    tensors = {f"layers.{i}.w": torch.full((4,), float(i)) for i in range(40)}
+    folder = sharded(tensors, 8)
+    got = await collect(aload.stream(folder))
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert len(done) == 8 and seen_at_first_parse == [8] * 8
+
+
 async def test_tensor_larger_than_budget_is_delivered_alone(write: Callable[..., Path]) -> None:
     tensors = {"a": torch.randn(1000), "huge": torch.randn(2 * MiB // 4), "z": torch.randn(1000)}
     path = write(tensors)
