@@ -168,17 +168,38 @@ def test_a_large_header_decoded_in_pieces_is_exactly_the_whole_decode(
     bad = [t[:-1] for t in texts] + [t + "x" for t in texts] + [t.replace('},"', '}},"', 1) for t in texts]
     bad += ['{"a":{"x":1},"b":2}}', '{"a":{}},"b":{}}', '{,"a":{},"b":{}}', '{"a":{},"b":{},}', '{"a":{},,"b":{}}']
     for text in texts + bad:
-        try:
-            want: Any = json.loads(text)
-        except ValueError:
-            want = ValueError
-        try:
-            got: Any = fmt._loads_in_pieces(text)
-        except ValueError:
-            got = ValueError
-        assert got == want, text
+        want, got = _both_ways(fmt._loads_in_pieces, text)
         if isinstance(want, dict):
             assert list(got) == list(want), text
+
+
+def _both_ways(loads: Callable[[str], Any], text: str) -> tuple[Any, Any]:
+    """``json.loads(text)`` and ``loads(text)`` (ValueError for a failure), checked equal."""
+    try:
+        want: Any = json.loads(text)
+    except ValueError:
+        want = ValueError
+    try:
+        got: Any = loads(text)
+    except ValueError:
+        got = ValueError
+    assert got == want, text
+    return want, got
+
+
+def _loads_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of every text ``aload.format`` hands ``json.loads`` from now on."""
+    from aload import format as fmt
+
+    sizes: list[int] = []
+    real = json.loads
+
+    def loads(text: str, **kw: Any) -> Any:
+        sizes.append(len(text))
+        return real(text, **kw)
+
+    monkeypatch.setattr(fmt.json, "loads", loads)
+    return sizes
 
 
 WM = {f"model.layers.{i}.w": f"model-{i % 3:05d}.safetensors" for i in range(40)}
@@ -212,28 +233,13 @@ def test_an_index_decoded_in_pieces_is_exactly_the_whole_decode(
     bad = [t[:-1] for t in texts] + [t + "x" for t in texts] + [t.replace(sep, sep + sep, 1) for t in texts]
     bad += [t.replace('"metadata"', '"metadata" "', 1) for t in texts]
     for text in texts + bad:
-        try:
-            want: Any = json.loads(text)
-        except ValueError:
-            want = ValueError
-        try:
-            got: Any = fmt.loads_index(text)
-        except ValueError:
-            got = ValueError
-        assert got == want, text
+        want, got = _both_ways(fmt.loads_index, text)
         if isinstance(want, dict):
             assert list(got) == list(want) and list(got["weight_map"]) == list(want["weight_map"]), text
     # ... and a plain index is not parsed whole: no json.loads sees more than about two pieces
-    sizes: list[int] = []
-    real = json.loads
-
-    def loads(text: str, **kw: Any) -> Any:
-        sizes.append(len(text))
-        return real(text, **kw)
-
-    monkeypatch.setattr(fmt.json, "loads", loads)
-    text = texts[0]
-    assert fmt.loads_index(text) == real(text)
+    text, want = texts[0], json.loads(texts[0])
+    sizes = _loads_sizes(monkeypatch)
+    assert fmt.loads_index(text) == want
     assert len(sizes) > 2 and max(sizes) < len(text) / 2 and max(sizes) <= 2 * piece + 200, (len(text), sizes)
 
 
@@ -247,14 +253,7 @@ async def test_a_large_header_is_decoded_a_piece_at_a_time(
 
     tensors = {f"layers.{i}.weight": torch.full((2,), float(i)) for i in range(3000)}
     path = write(tensors)
-    sizes: list[int] = []
-    real = json.loads
-
-    def loads(text: str, **kw: Any) -> Any:
-        sizes.append(len(text))
-        return real(text, **kw)
-
-    monkeypatch.setattr(fmt.json, "loads", loads)
+    sizes = _loads_sizes(monkeypatch)
     got = await collect(aload.stream(path))
     assert len(got) == 3000 and got["layers.2999.weight"].tolist() == [2999.0, 2999.0]
     header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
