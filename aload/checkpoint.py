@@ -8,14 +8,15 @@ files its ``weight_map`` names); a folder of ``*.safetensors`` without an index.
 from __future__ import annotations
 
 import asyncio
+import operator
 import os
 import posixpath
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
-from ._threads import CHECK_EVERY, Pacer, paced
+from ._threads import Pacer, paced
 from .errors import CheckpointError
 from .format import TensorSpec, header_length, loads_index, parse_header
 from .sources import Source, Store, import_store, open_store
@@ -240,20 +241,14 @@ def _assemble(store: Store, shards: list[Shard], metadata: dict[str, Any], index
     specs: dict[str, TensorSpec] = {}
     pace = Pacer()  # on a thread for a large checkpoint: see ``_assemble_off_loop``
     for shard in shards:
-        for i, spec in enumerate(shard.specs, 1):
-            if i % CHECK_EVERY == 0:
-                pace()
-            if spec.name in specs:
-                raise CheckpointError(
-                    f"tensor is in two shards: {specs[spec.name].shard} and {shard.url}",
-                    url=store.url,
-                    tensor=spec.name,
-                )
-            if index is not None and index.get(spec.name) != shard.name:
-                placed = index.get(spec.name)
-                why = f"the index places it in {placed!r}" if placed else "the index does not list it"
-                raise CheckpointError(f"tensor found in {shard.name!r} but {why}", url=store.url, tensor=spec.name)
-            specs[spec.name] = spec
+        # A shard at a time in C (map, isdisjoint, count, update): a loop per tensor took 58-63 ms
+        # on 89,820 tensors; the slow search below runs only to name what is wrong.
+        names = list(map(_NAME, shard.specs))
+        clash = not specs.keys().isdisjoint(names)
+        if clash or (index is not None and list(map(index.get, names)).count(shard.name) != len(names)):
+            _refuse(store, shard, specs, index)
+        specs.update(zip(names, shard.specs, strict=True))
+        pace()
     # Every tensor found is in the index (checked above), so the index names one no shard holds
     # exactly when it is longer.
     if index is not None and len(index) != len(specs):
@@ -262,3 +257,20 @@ def _assemble(store: Store, shards: list[Shard], metadata: dict[str, Any], index
             f"the index places it in {index[tensor]!r}, which does not hold it", url=store.url, tensor=tensor
         )
     return Checkpoint(store.url, tuple(shards), specs, metadata, store)
+
+
+_NAME = operator.itemgetter(0)  # a TensorSpec's name
+
+
+def _refuse(store: Store, shard: Shard, specs: dict[str, TensorSpec], index: dict[str, str] | None) -> NoReturn:
+    """Raise for the first tensor of ``shard`` that another shard holds or the index puts elsewhere."""
+    for spec in shard.specs:
+        if spec.name in specs:
+            raise CheckpointError(
+                f"tensor is in two shards: {specs[spec.name].shard} and {shard.url}", url=store.url, tensor=spec.name
+            )
+        if index is not None and index.get(spec.name) != shard.name:
+            placed = index.get(spec.name)
+            why = f"the index places it in {placed!r}" if placed else "the index does not list it"
+            raise CheckpointError(f"tensor found in {shard.name!r} but {why}", url=store.url, tensor=spec.name)
+    raise AssertionError("a clash was found but not named")  # pragma: no cover

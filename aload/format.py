@@ -129,6 +129,7 @@ def parse_header(raw: bytes, file_size: int, url: str) -> Header:
 
 
 _START, _END = operator.attrgetter("start"), operator.attrgetter("end")
+_new_tuple: Any = tuple.__new__
 
 
 class _GcPause:
@@ -328,7 +329,9 @@ def _spec(name: str, entry: Any, url: str, data_start: int) -> TensorSpec:
             tensor=name,
             byte_range=(data_start + begin, data_start + end),
         )
-    return TensorSpec(name, dtype, tuple(shape), url, data_start + begin, data_start + end)
+    # A TensorSpec without the Python frame of a NamedTuple's __new__ (tens of thousands per header).
+    spec: TensorSpec = _new_tuple(TensorSpec, (name, dtype, tuple(shape), url, data_start + begin, data_start + end))
+    return spec
 
 
 def _check_tiling(specs: list[TensorSpec], file_size: int, data_start: int, url: str) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from ._threads import paced
+from ._threads import CHECK_EVERY, Pacer
 from .checkpoint import Checkpoint
-from .format import TensorSpec
+from .format import ITEMSIZE, TensorSpec
 from .sources import Source
 
 #: Tensors smaller than this are read coalesced and copied even when their destination is known:
@@ -45,6 +45,15 @@ class Item(NamedTuple):
     name: str
     offset: int  # within the unit
     skip: bool = False  # read (for a digest) but not delivered
+
+
+def _item(spec: TensorSpec, name: str, offset: int, skip: bool) -> Item:
+    """``Item(...)`` without the Python frame of a NamedTuple's ``__new__``."""
+    item: Item = _new_tuple(Item, (spec, name, offset, skip))
+    return item
+
+
+_new_tuple: Any = tuple.__new__
 
 
 @dataclass
@@ -80,9 +89,20 @@ def make_plan(
     group: Unit | None = None
     groups = 0  # coalesced units so far: they start small and double (see FIRST_GROUP_BYTES)
     limit = chunk_bytes
-    for spec in paced(ckpt.specs.values()):
+    # Written for speed (89,820 tensors: 121 ms before): no call per tensor but the Item's, the
+    # open group's extent kept in locals, the pause checked every CHECK_EVERY tensors.
+    g_start = g_end = 0
+    g_shard = ""
+    no_items: list[Item] = []
+    append = no_items.append  # replaced when the first group opens
+    pace = Pacer()
+    for i, spec in enumerate(ckpt.specs.values(), 1):
+        if i % CHECK_EVERY == 0:
+            pace()
         name = names(spec.name) if names is not None else spec.name
         skip = name is None
+        start, end = spec.start, spec.end
+        n = end - start
         if name is None:
             if not read_all:
                 group = None  # the gap it leaves is never read
@@ -90,26 +110,25 @@ def make_plan(
             name = spec.name
         else:
             tensors += 1
-            nbytes += spec.nbytes
-        target = dest(name, spec) if dest is not None and not skip and spec.nbytes >= DIRECT_MIN_BYTES else None
-        if target is not None or spec.nbytes > chunk_bytes:
-            units.append(Unit(ckpt.source(spec), spec.start, spec.nbytes, [Item(spec, name, 0, skip)], target))
+            nbytes += n
+        target = dest(name, spec) if dest is not None and not skip and n >= DIRECT_MIN_BYTES else None
+        if target is not None or n > chunk_bytes:
+            units.append(Unit(ckpt.source(spec), start, n, [_item(spec, name, 0, skip)], target))
             group = None
             continue
-        if group is None or not _joins(group, spec, limit):
-            group = Unit(ckpt.source(spec), spec.start)
+        if (
+            group is None
+            or start != g_end
+            or spec.shard != g_shard
+            or (start - g_start) % ITEMSIZE[spec.dtype]
+            or end - g_start > limit
+        ):
+            group = Unit(ckpt.source(spec), start)
             units.append(group)
+            g_start, g_shard, append = start, spec.shard, group.items.append
             limit = min(chunk_bytes, FIRST_GROUP_BYTES << groups)
             groups = min(groups + 1, 32)
-        group.items.append(Item(spec, name, spec.start - group.start, skip))
-        group.nbytes = spec.end - group.start
+        append(_new_tuple(Item, (spec, name, start - g_start, skip)))  # an Item, minus a frame
+        g_end = end
+        group.nbytes = end - g_start
     return Plan(units, tensors, nbytes)
-
-
-def _joins(group: Unit, spec: TensorSpec, chunk_bytes: int) -> bool:
-    return (
-        spec.start == group.start + group.nbytes
-        and spec.shard == group.items[0].spec.shard
-        and (spec.start - group.start) % spec.itemsize == 0
-        and spec.end - group.start <= chunk_bytes
-    )

@@ -103,6 +103,14 @@ async def test_tensor_found_in_another_shard_than_index_says(sharded: Callable[.
     assert info.value.tensor == "model.norm.weight"
 
 
+async def test_tensor_the_index_does_not_list_is_refused(sharded: Callable[..., Path]) -> None:
+    folder = sharded(llama_like(), 2)
+    _rewrite_index(folder, lambda wm: wm.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(aload.CheckpointError, match="the index does not list it") as info:
+        await aload.open(folder)
+    assert info.value.tensor == "model.layers.1.mlp.up_proj.weight"
+
+
 async def test_index_lists_tensor_no_shard_holds(sharded: Callable[..., Path]) -> None:
     folder = sharded(llama_like(), 2)
     _rewrite_index(folder, lambda wm: wm.__setitem__("ghost", "model-00001-of-00002.safetensors"))
