@@ -23,7 +23,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from ._threads import run_in_thread
 from .errors import SourceError, UsageError
-from .http import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, backoff, check_content_range, log
+from .http import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, backoff, check_content_range, log, probe_last
 from .sources import Source, Store
 
 _RETRY_CODES = {"500", "502", "503", "504", "SlowDown", "InternalError", "RequestTimeout", "ServiceUnavailable", "429"}
@@ -86,6 +86,29 @@ class S3Source(Source):
             head = await self._call("head_object", (0, 0), Bucket=self._store.bucket, Key=self._key)
             self._size, self._etag = int(head["ContentLength"]), head.get("ETag")
         return self._size
+
+    async def head(self, probe: int) -> tuple[int, bytes]:
+        """Size and first bytes in one ranged GET (``head_object`` and a read were two round trips
+        per shard); anything unusual (an empty object, a broken body) takes the two-call way."""
+        if self._size is not None or probe <= 0:
+            return await super().head(probe)
+        try:
+            resp = await self._call(
+                "get_object", (0, probe), Bucket=self._store.bucket, Key=self._key, Range=f"bytes=0-{probe - 1}"
+            )
+        except SourceError:
+            return await super().head(probe)  # e.g. InvalidRange on an empty object: its own error
+        last = probe_last(resp.get("ContentRange"), probe)
+        total = check_content_range(resp.get("ContentRange"), 0, last, None, self.url)
+        try:
+            async with resp["Body"] as body:
+                data = await body.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, BotoCoreError):
+            return await super().head(probe)
+        if len(data) != last + 1:
+            return await super().head(probe)
+        self._size, self._etag = total, resp.get("ETag")
+        return total, data
 
     async def readinto(self, offset: int, buf: memoryview) -> None:
         await self.size()

@@ -36,6 +36,39 @@ async def test_http_stream_equals_local_and_budget_holds(folder: Path) -> None:
     assert stats.peak_inflight_bytes <= 4 * MiB and stats.bytes_read == stats.bytes
 
 
+async def test_opening_costs_one_request_per_shard(folder: Path, write: Callable[..., Path]) -> None:
+    """Each shard's size and header come from one ranged GET (a size probe and a read were two
+    round trips); an object shorter than the probe comes back whole, its range ending at its end."""
+    from aload.checkpoint import HEADER_PROBE_BYTES
+
+    small = write({"a": torch.arange(4.0)}, name="small/model.safetensors")
+    assert small.stat().st_size < HEADER_PROBE_BYTES
+    sizes = {p.name: p.stat().st_size for p in folder.glob("*.safetensors")}
+    async with FileServer() as srv:
+        srv.add_folder(folder)
+        srv.add_folder(small.parent, prefix="small/")
+        async with await aload.open(srv.url) as ckpt:
+            assert {s.name: s.size for s in ckpt.shards} == sizes
+        got = await collect(aload.stream(f"{srv.url}/small/model.safetensors"))
+        asked = [(n, r) for m, n, r in srv.requests if n.endswith(".safetensors")]
+    probe = f"bytes=0-{HEADER_PROBE_BYTES - 1}"
+    assert sorted(asked[: len(sizes)]) == sorted((n, probe) for n in sizes)
+    assert [r for n, r in asked[len(sizes) :]] == [probe, f"bytes=64-{small.stat().st_size - 1}"]  # then the data
+    assert got["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+async def test_a_large_index_is_read_whole(sharded: Callable[..., Path]) -> None:
+    """An index of a few hundred KB over HTTP: the whole body, not what had arrived when the first
+    read returned (an 8.7 MB index came back as its first ~128 KB, and failed to parse)."""
+    tensors = {f"model.layers.{i}.experts.{i % 7}.w": torch.full((2,), float(i)) for i in range(6000)}
+    folder = sharded(tensors, 4)
+    assert (folder / "model.safetensors.index.json").stat().st_size > 256 << 10
+    async with FileServer() as srv:
+        srv.add_folder(folder)
+        remote = await collect(aload.stream(srv.url))
+    assert len(remote) == len(tensors) and all(torch.equal(remote[k], v) for k, v in tensors.items())
+
+
 async def test_single_object_and_folder_without_index(write: Callable[..., Path]) -> None:
     path = write({"a": torch.arange(10.0), "b": torch.ones(3, dtype=torch.bfloat16)})
     async with FileServer() as srv:

@@ -68,6 +68,43 @@ async def test_sharded_checkpoint_streams_identical_to_local(s3: dict[str, Any],
     assert stats.peak_inflight_bytes <= 256 * 1024
 
 
+async def test_opening_costs_one_call_per_shard(
+    s3: dict[str, Any], sharded: Callable[..., Path], write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each shard's size and header come from one ranged get_object, with no head_object; an
+    empty object still gets its own error."""
+    from aload import s3 as s3mod
+    from aload.checkpoint import HEADER_PROBE_BYTES
+
+    calls: list[tuple[str, str, str]] = []
+    real = s3mod.S3Source._call
+
+    async def counted(self: Any, op: str, byte_range: tuple[int, int], **kw: Any) -> Any:
+        calls.append((op, kw.get("Key", ""), kw.get("Range", "")))
+        return await real(self, op, byte_range, **kw)
+
+    monkeypatch.setattr(s3mod.S3Source, "_call", counted)
+    folder = sharded(llama_like(hidden=96), 3)
+    upload(s3["client"], folder, "onecall")
+    async with await aload.open(f"s3://{BUCKET}/onecall/", **s3["opts"]) as ckpt:
+        assert {s.name: s.size for s in ckpt.shards} == {p.name: p.stat().st_size for p in folder.glob("*.safetensors")}
+    probe = f"bytes=0-{HEADER_PROBE_BYTES - 1}"
+    shards = sorted(c for c in calls if c[1].endswith(".safetensors"))
+    assert shards == sorted(("get_object", f"onecall/{s.name}", probe) for s in ckpt.shards)
+    s3["client"].put_object(Bucket=BUCKET, Key="empty/model.safetensors", Body=b"")
+    with pytest.raises(aload.HeaderError, match="too short"):
+        await aload.open(f"s3://{BUCKET}/empty/model.safetensors", **s3["opts"])
+
+
+async def test_a_large_index_is_read_whole(s3: dict[str, Any], sharded: Callable[..., Path]) -> None:
+    tensors = {f"model.layers.{i}.experts.{i % 7}.w": torch.full((2,), float(i)) for i in range(6000)}
+    folder = sharded(tensors, 4)
+    assert (folder / "model.safetensors.index.json").stat().st_size > 256 << 10
+    upload(s3["client"], folder, "bigindex")
+    remote = await collect(aload.stream(f"s3://{BUCKET}/bigindex/", **s3["opts"]))
+    assert len(remote) == len(tensors) and all(torch.equal(remote[k], v) for k, v in tensors.items())
+
+
 async def test_listing_without_index_and_single_object(s3: dict[str, Any], sharded: Callable[..., Path]) -> None:
     tensors = llama_like()
     folder = sharded(tensors, 2)
