@@ -108,6 +108,8 @@ class HttpSource(Source):
             return await super().head(probe)
 
         async def first(resp: aiohttp.ClientResponse) -> tuple[int, bytes]:
+            if resp.status == 416 and resp.headers.get("Content-Range") == "bytes */0":
+                return 0, b""  # an empty object: the header check says so, naming it
             if resp.status != 206:
                 raise SourceError(
                     f"server answered {resp.status} to a ranged GET; aload needs Range support", url=self.url

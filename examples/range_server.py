@@ -63,6 +63,8 @@ class FileServer:
         if m is None or fault == "ignore-range":
             return web.Response(body=data, headers={"ETag": etag})
         first, last = int(m.group(1)), min(int(m.group(2)), len(data) - 1)
+        if first >= len(data):  # nothing of the range exists (an empty object): 416, as nginx says
+            return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data)}", "ETag": etag})
         body = data[first : last + 1]
         shown = f"bytes {first + (1 if fault == 'bad-range' else 0)}-{last}/{len(data)}"
         resp = web.StreamResponse(

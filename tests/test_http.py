@@ -69,6 +69,17 @@ async def test_a_large_index_is_read_whole(sharded: Callable[..., Path]) -> None
     assert len(remote) == len(tensors) and all(torch.equal(remote[k], v) for k, v in tensors.items())
 
 
+async def test_an_empty_object_is_named_as_too_short(tmp_path: Path) -> None:
+    """An empty file answers a ranged GET with 416 (``bytes */0``): the error says the file is
+    too short for a header, not that the server lacks Range support."""
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    async with FileServer() as srv:
+        srv.add_folder(tmp_path)
+        with pytest.raises(aload.HeaderError, match="0 bytes, too short") as info:
+            await aload.open(f"{srv.url}/empty.safetensors")
+    assert "empty.safetensors" in str(info.value)
+
+
 async def test_single_object_and_folder_without_index(write: Callable[..., Path]) -> None:
     path = write({"a": torch.arange(10.0), "b": torch.ones(3, dtype=torch.bfloat16)})
     async with FileServer() as srv:
