@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._threads import PAUSE_AFTER_S
 from .errors import UsageError
 from .integrity import ShardHash
 from .plan import Item, Plan, Unit
@@ -462,13 +463,24 @@ class Reader:
             del base  # not held while waiting for the next unit
 
     async def items(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """The tensors in plan order; each owns its memory until the consumer drops it."""
+        """The tensors in plan order; each owns its memory until the consumer drops it.
+
+        The tensors of a unit already read come without waiting for anything, so an ``async for``
+        over them would never let the loop run another task until the unit ends (a 551-tensor
+        shard of DeepSeek-V3's layout: p99 lateness 6.6 ms under ``aload bench``): the loop is
+        handed back every ~``PAUSE_AFTER_S`` of the consumer's and the cutting's work."""
+        clock = time.perf_counter
+        due = clock() + PAUSE_AFTER_S
         async for unit, base in self.units():
             for item in unit.items:
                 if not item.skip:
                     self.account(unit, item.spec.nbytes, 1)
                     yield item.name, cut(unit, base, item)
+                    if clock() >= due:
+                        await asyncio.sleep(0)
+                        due = clock() + PAUSE_AFTER_S
             del base
+            due = clock() + PAUSE_AFTER_S  # the wait for the next unit let the loop run
 
     def account(self, unit: Unit, nbytes: int, tensors: int) -> None:
         """Count tensors of ``unit`` as delivered (on the loop: stats and progress live here)."""

@@ -194,6 +194,32 @@ async def test_every_header_is_read_before_any_is_parsed(
     assert len(done) == 8 and seen_at_first_parse == [8] * 8
 
 
+async def test_an_async_for_over_a_read_unit_lets_other_tasks_run(write: Callable[..., Path]) -> None:
+    """4,000 tensors read as one unit come without waiting for anything: the stream still hands
+    the loop back every ~1 ms, so another task runs while the unit is consumed."""
+    tensors = {f"t{i:04d}": torch.full((16,), float(i)) for i in range(4000)}  # 64 B each, one unit
+    path = write(tensors)
+    ran = 0
+
+    async def other() -> None:
+        nonlocal ran
+        while True:
+            ran += 1
+            await asyncio.sleep(0)
+
+    seen: list[int] = []
+    task = asyncio.ensure_future(other())
+    try:
+        async with aload.stream(path) as s:
+            async for name, t in s:
+                seen.append(ran)
+                assert torch.equal(t, tensors[name])
+            assert s.stats.reads == 1  # one unit, read once
+    finally:
+        task.cancel()
+    assert len(seen) == 4000 and len(set(seen)) > 1  # the other task ran mid-unit
+
+
 async def test_tensor_larger_than_budget_is_delivered_alone(write: Callable[..., Path]) -> None:
     tensors = {"a": torch.randn(1000), "huge": torch.randn(2 * MiB // 4), "z": torch.randn(1000)}
     path = write(tensors)
