@@ -129,6 +129,8 @@ def parse_header(raw: bytes, file_size: int, url: str) -> Header:
 
 
 _START, _END = operator.attrgetter("start"), operator.attrgetter("end")
+#: ``_new_tuple(SomeNamedTuple, (fields...))`` makes one without the Python frame of its ``__new__``
+#: (headers and plans make tens of thousands).
 _new_tuple: Any = tuple.__new__
 
 
@@ -329,7 +331,6 @@ def _spec(name: str, entry: Any, url: str, data_start: int) -> TensorSpec:
             tensor=name,
             byte_range=(data_start + begin, data_start + end),
         )
-    # A TensorSpec without the Python frame of a NamedTuple's __new__ (tens of thousands per header).
     spec: TensorSpec = _new_tuple(TensorSpec, (name, dtype, tuple(shape), url, data_start + begin, data_start + end))
     return spec
 

@@ -86,19 +86,8 @@ class HttpSource(Source):
 
     async def size(self) -> int:
         if self._size is None:
-            # A one-byte ranged GET: it also shows whether the server honours Range at all.
-            async def probe(resp: aiohttp.ClientResponse) -> int:
-                if resp.status != 206:
-                    raise SourceError(
-                        f"server answered {resp.status} to a ranged GET; aload needs Range support", url=self.url
-                    )
-                total = self._content_range(resp, 0, 0)
-                self._etag = resp.headers.get("ETag")
-                self._modified = resp.headers.get("Last-Modified")
-                await resp.read()
-                return total
-
-            self._size = await self._request(0, 0, probe)
+            await self.head(1)  # a one-byte ranged GET: it also shows whether Range is honoured
+        assert self._size is not None
         return self._size
 
     async def head(self, probe: int) -> tuple[int, bytes]:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ._threads import CHECK_EVERY, Pacer
 from .checkpoint import Checkpoint
-from .format import ITEMSIZE, TensorSpec
+from .format import ITEMSIZE, TensorSpec, _new_tuple
 from .sources import Source
 
 #: Tensors smaller than this are read coalesced and copied even when their destination is known:
@@ -45,15 +45,6 @@ class Item(NamedTuple):
     name: str
     offset: int  # within the unit
     skip: bool = False  # read (for a digest) but not delivered
-
-
-def _item(spec: TensorSpec, name: str, offset: int, skip: bool) -> Item:
-    """``Item(...)`` without the Python frame of a NamedTuple's ``__new__``."""
-    item: Item = _new_tuple(Item, (spec, name, offset, skip))
-    return item
-
-
-_new_tuple: Any = tuple.__new__
 
 
 @dataclass
@@ -89,12 +80,10 @@ def make_plan(
     group: Unit | None = None
     groups = 0  # coalesced units so far: they start small and double (see FIRST_GROUP_BYTES)
     limit = chunk_bytes
-    # Written for speed (89,820 tensors: 121 ms before): no call per tensor but the Item's, the
-    # open group's extent kept in locals, the pause checked every CHECK_EVERY tensors.
+    # Written for speed (89,820 tensors: 121 ms before): the open group's extent kept in locals,
+    # no call per tensor (Items made by ``_new_tuple``), the pause checked every CHECK_EVERY tensors.
     g_start = g_end = 0
     g_shard = ""
-    no_items: list[Item] = []
-    append = no_items.append  # replaced when the first group opens
     pace = Pacer()
     for i, spec in enumerate(ckpt.specs.values(), 1):
         if i % CHECK_EVERY == 0:
@@ -113,7 +102,7 @@ def make_plan(
             nbytes += n
         target = dest(name, spec) if dest is not None and not skip and n >= DIRECT_MIN_BYTES else None
         if target is not None or n > chunk_bytes:
-            units.append(Unit(ckpt.source(spec), start, n, [_item(spec, name, 0, skip)], target))
+            units.append(Unit(ckpt.source(spec), start, n, [_new_tuple(Item, (spec, name, 0, skip))], target))
             group = None
             continue
         if (
@@ -125,10 +114,10 @@ def make_plan(
         ):
             group = Unit(ckpt.source(spec), start)
             units.append(group)
-            g_start, g_shard, append = start, spec.shard, group.items.append
+            g_start, g_shard = start, spec.shard
             limit = min(chunk_bytes, FIRST_GROUP_BYTES << groups)
             groups = min(groups + 1, 32)
-        append(_new_tuple(Item, (spec, name, start - g_start, skip)))  # an Item, minus a frame
+        group.items.append(_new_tuple(Item, (spec, name, start - g_start, skip)))
         g_end = end
         group.nbytes = end - g_start
     return Plan(units, tensors, nbytes)
