@@ -115,9 +115,11 @@ def parse_header(raw: bytes, file_size: int, url: str) -> Header:
         obj = _load_json(raw, url)
         metadata = _metadata(obj.pop("__metadata__", None), url)
         specs = []
-        for name, entry in paced(obj.items()):
+        for i, (name, entry) in enumerate(paced(obj.items()), 1):
             specs.append(_spec(name, entry, url, data_start))
             obj[name] = None  # freed here, a few at a time, not in one go at the end
+            if not i % _YOUNG_EVERY:
+                gc_paused.collect_young()
         del obj
         # By (start, end) in two stable sorts on C keys that make no tuples: a lambda, or a key
         # tuple per tensor (which set off collections), held the GIL 8-65 ms on 20,000 tensors,
@@ -154,6 +156,17 @@ class _GcPause:
                 self._resume = gc.isenabled()
                 gc.disable()
 
+    def collect_young(self) -> None:
+        """During a pause, a collection of the youngest generation now, if collection will resume:
+        what the parse made would otherwise be examined in one go when it does (40,000 objects on
+        a 20,000-tensor header: 3.7-4.0 ms holding the GIL, 7 ms with the cores busy). Each small
+        one examines what was made since the last (a decoded piece of JSON, or a slice of specs),
+        untracks the shape tuples and moves the rest up a generation, whose next collection
+        examines the specs once more (2.3-2.6 ms). Generation 0 only: a promotion to the oldest
+        generation would bring its full collection (100+ ms) nearer."""
+        if self._depth and self._resume:
+            gc.collect(0)
+
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self._depth -= 1
@@ -162,6 +175,8 @@ class _GcPause:
 
 
 gc_paused = _GcPause()
+#: Tensors parsed between two collections of the youngest generation during a pause.
+_YOUNG_EVERY = 1024
 
 
 def _load_json(raw: bytes, url: str) -> dict[str, Any]:
@@ -263,6 +278,7 @@ def _object_in_pieces(text: str, at: int, cut: re.Pattern[str]) -> tuple[dict[st
             return None
         out.update(part)
         begin = comma + 1
+        gc_paused.collect_young()  # the piece's containers, while they are few
         pace()  # let a thread waiting for the GIL (the event loop) have it: see ``paced``
     try:
         if begin == at:
