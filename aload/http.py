@@ -116,11 +116,14 @@ class HttpSource(Source):
 
         size, data = await self._request(0, probe - 1, first)
         self._size = size
+        self._keep_if_whole(size, data)
         return size, data
 
     async def readinto(self, offset: int, buf: memoryview) -> None:
         if self._size is None:
             await self.size()
+        if self._from_whole(offset, buf):
+            return
         done = 0
         total = len(buf)
 

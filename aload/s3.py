@@ -108,10 +108,13 @@ class S3Source(Source):
         if len(data) != last + 1:
             return await super().head(probe)
         self._size, self._etag = total, resp.get("ETag")
+        self._keep_if_whole(total, data)
         return total, data
 
     async def readinto(self, offset: int, buf: memoryview) -> None:
         await self.size()
+        if self._from_whole(offset, buf):
+            return
         total, done = len(buf), 0
         for attempt in range(self._store.retries):  # a body that breaks off resumes from the bytes received
             if done == total:

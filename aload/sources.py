@@ -48,6 +48,9 @@ class Source(ABC):
     url: str
     #: Whether ``view``/``populate`` work: bytes handed out without a copy (a mapped file).
     can_map: bool = False
+    #: The whole object, when the ``head`` probe of a remote source held all of it (an object
+    #: under 64 KiB): its reads are served from here, not asked for again.
+    _whole: bytes | None = None
 
     @abstractmethod
     async def size(self) -> int:
@@ -83,6 +86,18 @@ class Source(ABC):
     @abstractmethod
     async def readinto(self, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` exactly with the bytes at ``offset``, or raise ``SourceError``."""
+
+    def _from_whole(self, offset: int, buf: memoryview) -> bool:
+        """Fill ``buf`` from the object kept whole by ``head``, if there is one."""
+        whole = self._whole
+        if whole is None or offset + len(buf) > len(whole):
+            return False
+        buf[:] = memoryview(whole)[offset : offset + len(buf)]
+        return True
+
+    def _keep_if_whole(self, size: int, data: bytes) -> None:
+        if len(data) == size:
+            self._whole = data
 
     async def read(self, offset: int, length: int) -> bytes:
         buf = bytearray(length)

@@ -72,7 +72,8 @@ async def test_opening_costs_one_call_per_shard(
     s3: dict[str, Any], sharded: Callable[..., Path], write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each shard's size and header come from one ranged get_object, with no head_object; an
-    empty object still gets its own error."""
+    object shorter than the probe is not asked for again for its data; an empty object still
+    gets its own error."""
     from aload import s3 as s3mod
     from aload.checkpoint import HEADER_PROBE_BYTES
 
@@ -91,6 +92,11 @@ async def test_opening_costs_one_call_per_shard(
     probe = f"bytes=0-{HEADER_PROBE_BYTES - 1}"
     shards = sorted(c for c in calls if c[1].endswith(".safetensors"))
     assert shards == sorted(("get_object", f"onecall/{s.name}", probe) for s in ckpt.shards)
+    small = write({"a": torch.arange(4.0)}, name="small/model.safetensors")
+    s3["client"].upload_file(str(small), BUCKET, "small/model.safetensors")
+    got = await collect(aload.stream(f"s3://{BUCKET}/small/model.safetensors", **s3["opts"]))
+    assert got["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert [c for c in calls if c[1] == "small/model.safetensors"] == [("get_object", "small/model.safetensors", probe)]
     s3["client"].put_object(Bucket=BUCKET, Key="empty/model.safetensors", Body=b"")
     with pytest.raises(aload.HeaderError, match="too short"):
         await aload.open(f"s3://{BUCKET}/empty/model.safetensors", **s3["opts"])
