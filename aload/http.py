@@ -1,5 +1,7 @@
-"""HTTP(S) sources: concurrent ranged GETs with aiohttp, every response checked, the object
-pinned by its ETag for the whole load, retries with backoff that resume where a body broke off.
+"""HTTP(S) sources: concurrent ranged GETs, every response checked, the object pinned by its
+ETag for the whole load, retries with backoff that resume where a body broke off. Ranged GETs go
+through ``wire`` (the body received straight into its destination); an index, and any response
+``wire`` does not read, through aiohttp.
 
 A URL naming a ``.safetensors`` object is one shard; any other URL is a checkpoint "folder":
 ``model.safetensors.index.json`` first, else ``model.safetensors`` (HTTP has no listing).
@@ -8,15 +10,19 @@ A URL naming a ``.safetensors`` object is one shard; any other URL is a checkpoi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
 import re
+import ssl
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
+from . import wire
 from ._threads import run_in_thread
 from .errors import SourceError, UsageError
 from .sources import Source, Store
@@ -138,6 +144,12 @@ class HttpSource(Source):
                 raise SourceError(f"unexpected status {resp.status}", url=self.url, byte_range=(offset, offset + total))
             self._check_version(resp, offset, total)
             self._content_range(resp, start, offset + total - 1)
+            if isinstance(resp, wire.Response):  # Content-Length is the rest of the range: checked
+                try:
+                    await resp.read_into(buf[done:])
+                finally:
+                    done += resp.received
+                return
             async for chunk in resp.content.iter_any():
                 n = len(chunk)
                 if done + n > total:
@@ -188,7 +200,7 @@ class HttpSource(Source):
             await backoff(attempt)
             start = progress() if progress is not None else first
             try:
-                async with self._store.session().get(self._full, headers=self._headers(start, last)) as resp:
+                async with self._store.fetch(self._full, self._headers(start, last)) as resp:
                     if resp.status == 412:
                         raise SourceError(
                             "object changed during the load (If-Match failed)",
@@ -200,12 +212,12 @@ class HttpSource(Source):
                     if resp.status in _RETRY_STATUS:
                         raise _Retry(f"{resp.status} {resp.reason}")
                     return await handle(resp)
-            except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError) as exc:
+            except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError, ssl.SSLError) as exc:
                 raise SourceError(
                     f"TLS certificate not trusted ({exc.__class__.__name__}); pass ca_bundle= for a private CA",
                     url=self.url,
                 ) from exc
-            except (_Retry, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (_Retry, wire.WireError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 cause = exc
                 log.warning(
                     "%s bytes [%d, %d): attempt %d of %d failed: %s",
@@ -223,9 +235,7 @@ class HttpSource(Source):
         ) from None  # aiohttp's own errors may quote the full URL, query string included
 
 
-def _tls_context(ca_bundle: str) -> Any:
-    import ssl
-
+def _tls_context(ca_bundle: str | None) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=ca_bundle)
 
 
@@ -265,7 +275,10 @@ class HttpStore(Store):
         values += tuple(v.removeprefix("Bearer ") for v in self._headers.values())  # a token given as a header
         self._secrets = sorted({v for v in values if v and len(v) >= 4}, key=len, reverse=True)
         self._session: aiohttp.ClientSession | None = None
-        self._ssl: Any = None  # the TLS context for ca_bundle, made by prepare()
+        self._https = parts.scheme.lower() == "https"
+        self._ssl: ssl.SSLContext | None = None  # made by prepare(), for https or ca_bundle
+        self._wire: wire.Client | None = None
+        self._wire_ok = True  # until a response wire does not read
         self._sources: dict[str, HttpSource] = {}
 
     def scrub(self, text: str) -> str:
@@ -276,9 +289,31 @@ class HttpStore(Store):
 
     async def prepare(self) -> None:
         # Loading a CA bundle parses every certificate in it: 29-32 ms for the system bundle here,
-        # on a thread rather than on the loop.
-        if self._ca and self._ssl is None:
+        # on a thread rather than on the loop; once, for both clients.
+        if (self._ca or self._https) and self._ssl is None:
             self._ssl = await run_in_thread(_tls_context, self._ca)
+
+    @contextlib.asynccontextmanager
+    async def fetch(self, url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
+        """A GET's response (``wire``'s, or aiohttp's where ``wire`` does not read the answers),
+        its status and headers read, the body not yet."""
+        if self._wire_ok:
+            if self._wire is None:
+                self._wire = wire.Client(limit=self._concurrency + 2, timeout=self._timeout, ssl_context=self._ssl)
+            client = self._wire
+            try:
+                resp = await client.open(url, {**self._headers, **headers})
+            except wire.Unsupported as exc:
+                log.info("%s: %s; reading through aiohttp from now on", self.url, exc)
+                self._wire_ok = False
+            else:
+                try:
+                    yield resp
+                finally:
+                    client.release(resp)
+                return
+        async with self.session().get(url, headers=headers) as plain:
+            yield plain
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -340,6 +375,9 @@ class HttpStore(Store):
         raise SourceError(f"gave up after {self.retries} attempts", url=redact(url))
 
     async def aclose(self) -> None:
+        if self._wire is not None:
+            self._wire.close()
+            self._wire = None
         if self._session is not None:
             await self._session.close()
             self._session = None

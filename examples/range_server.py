@@ -6,7 +6,9 @@ tests; it misbehaves on request.
 ``faults[name]`` is a list of what to do to the next requests for ``name``, one entry each:
 "503" (answer 503), "cut" (send half the body, then drop the connection), "ignore-range" (answer
 200 with the whole object), "bad-range" (a Content-Range off by one), "trickle" (send slower than
-any sane timeout), "replace" (serve the object's replacement from now on: new bytes, new ETag).
+any sane timeout), "replace" (serve the object's replacement from now on: new bytes, new ETag),
+"redirect" (307 to the same name under ``redirect_base``, this server if unset), "chunked" (the
+ranged body with chunked transfer encoding, no Content-Length).
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ class FileServer:
     requests: list[tuple[str, str, str]] = field(default_factory=list)  # (method, name, Range)
     auth: str | None = None  # if set, the Authorization header every request must carry
     ssl: Any = None  # an ssl.SSLContext to serve HTTPS
+    redirect_base: str = ""  # where "redirect" sends a request ("": this server)
     url: str = ""
+    authorizations: list[str | None] = field(default_factory=list)  # each request's Authorization
+    connections: set[int] = field(default_factory=set)  # one id per connection that asked anything
     _etags: dict[str, str] = field(default_factory=dict)
 
     def etag(self, name: str) -> str:
@@ -43,6 +48,8 @@ class FileServer:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
         self.requests.append((request.method, name, request.headers.get("Range", "")))
+        self.authorizations.append(request.headers.get("Authorization"))
+        self.connections.add(id(request.transport))
         if self.auth is not None and request.headers.get("Authorization") != self.auth:
             return web.Response(status=403, text="forbidden")
         if name not in self.files:
@@ -56,6 +63,8 @@ class FileServer:
         etag = self.etag(name)
         if fault == "503":
             return web.Response(status=503, text="busy")
+        if fault == "redirect":
+            return web.Response(status=307, headers={"Location": f"{self.redirect_base}/{name}"})
         if_match = request.headers.get("If-Match")
         if if_match and if_match != etag:
             return web.Response(status=412, text="precondition failed")
@@ -67,9 +76,12 @@ class FileServer:
             return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data)}", "ETag": etag})
         body = data[first : last + 1]
         shown = f"bytes {first + (1 if fault == 'bad-range' else 0)}-{last}/{len(data)}"
-        resp = web.StreamResponse(
-            status=206, headers={"Content-Range": shown, "ETag": etag, "Content-Length": str(len(body))}
-        )
+        headers = {"Content-Range": shown, "ETag": etag, "Content-Length": str(len(body))}
+        if fault == "chunked":
+            del headers["Content-Length"]
+        resp = web.StreamResponse(status=206, headers=headers)
+        if fault == "chunked":
+            resp.enable_chunked_encoding()
         await resp.prepare(request)
         if fault == "cut":
             await resp.write(body[: len(body) // 2])

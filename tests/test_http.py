@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -215,3 +216,71 @@ async def test_buffers_are_leased_just_ahead_of_the_reads(write: Callable[..., P
     assert sums == {k: float(v.sum()) for k, v in tensors.items()}
     # held by the consumer (4) + being read (4) + the next one leased (4) + alignment
     assert stats.peak_inflight_bytes <= 13 * MiB, stats.peak_inflight_bytes >> 20
+
+
+async def test_ranged_reads_reuse_a_few_connections(folder: Path) -> None:
+    """Ranged GETs go over kept-alive connections: many requests, at most concurrency + 2
+    connections (one per request would cost a handshake each, and a TLS one over HTTPS)."""
+    async with FileServer() as srv:
+        srv.add_folder(folder)
+        await collect(aload.stream(srv.url, chunk_bytes=MiB // 4, concurrency=2))
+        ranged = [r for m, n, r in srv.requests if r]
+    assert len(ranged) >= 10 and len(srv.connections) <= 2 + 2 + 1  # + 1: aiohttp's, for the index
+
+
+async def test_redirects_are_followed_and_credentials_stay_with_their_origin(folder: Path) -> None:
+    """A 307 within the origin is followed with the same headers; to another origin, without the
+    Authorization header (a CDN behind a hub's redirect must not see the hub's token)."""
+    local = await collect(aload.stream(folder))
+    shard = "model-00001-of-00003.safetensors"
+    async with FileServer() as cdn, FileServer(auth="Bearer hub-token") as hub:
+        cdn.add_folder(folder)
+        hub.add_folder(folder)
+        hub.faults[shard] = ["redirect", "redirect"]  # the size probe and the first data read
+        remote = await collect(aload.stream(hub.url, token="hub-token", chunk_bytes=MiB))
+        assert [n for m, n, r in hub.requests].count(shard) >= 3  # both redirects were followed here
+        hub.redirect_base = cdn.url
+        hub.faults[shard] = [None, "redirect"]
+        again = await collect(aload.stream(hub.url, token="hub-token", chunk_bytes=MiB))
+    assert all(torch.equal(remote[k], local[k]) and torch.equal(again[k], local[k]) for k in local)
+    assert [n for m, n, r in cdn.requests] == [shard]  # one read went to the other origin ...
+    assert cdn.authorizations == [None]  # ... without the token
+
+
+async def test_a_chunked_answer_is_read_through_aiohttp(folder: Path) -> None:
+    """A ranged answer without Content-Length (chunked) is not read straight into place: the
+    request is asked again through aiohttp, and so is every later one of the load."""
+    local = await collect(aload.stream(folder))
+    shard = "model-00001-of-00003.safetensors"
+    async with FileServer() as srv:
+        srv.add_folder(folder)
+        srv.faults[shard] = ["chunked", "chunked", "chunked"]
+        remote = await collect(aload.stream(srv.url, chunk_bytes=MiB))
+        asked = [r for m, n, r in srv.requests if n == shard]
+    assert all(torch.equal(remote[k], local[k]) for k in local)
+    assert asked[0] == asked[1]  # the probe, asked again
+
+
+async def test_a_cancelled_read_writes_nothing_more_into_its_buffer(folder: Path) -> None:
+    """Once a read is cancelled, its connection is closed and the destination gets no more bytes
+    (they would land in a buffer the reader has handed to another unit)."""
+    from aload import wire
+
+    shard = "model-00001-of-00003.safetensors"
+    async with FileServer() as srv:
+        srv.add_folder(folder)
+        srv.faults[shard] = ["trickle"]  # 64 bytes every 0.5 s
+        client = wire.Client(limit=2, timeout=30)
+        resp = await client.open(f"{srv.url}/{shard}", {"Range": "bytes=0-4095"})
+        dest = bytearray(4096)
+        task = asyncio.ensure_future(resp.read_into(memoryview(dest)))
+        await asyncio.sleep(0.7)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        before = bytes(dest)
+        await asyncio.sleep(1.1)  # two more trickles would have come
+        client.release(resp)
+        client.close()
+    assert 0 < resp.received < 4096 and bytes(dest) == before
+    assert dest[: resp.received] == (folder / shard).read_bytes()[: resp.received]
