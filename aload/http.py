@@ -31,7 +31,7 @@ from .sources import Source, Store
 DEFAULT_RETRIES = 5
 #: Seconds without progress (connect, or between body bytes) before a request counts as failed.
 DEFAULT_TIMEOUT_S = 30.0
-_RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
@@ -209,7 +209,7 @@ class HttpSource(Source):
                         )
                     if resp.status in (401, 403, 404):
                         raise SourceError(f"{resp.status} {resp.reason}", url=self.url)
-                    if resp.status in _RETRY_STATUS:
+                    if resp.status in RETRY_STATUS:
                         raise _Retry(f"{resp.status} {resp.reason}")
                     return await handle(resp)
             except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError, ssl.SSLError) as exc:
@@ -354,7 +354,7 @@ class HttpStore(Store):
                 async with self.session().get(url) as resp:
                     if resp.status == 404:
                         return None
-                    if resp.status in _RETRY_STATUS:
+                    if resp.status in RETRY_STATUS:
                         continue
                     if resp.status != 200:
                         raise SourceError(f"{resp.status} {resp.reason}", url=redact(url))

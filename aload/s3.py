@@ -6,6 +6,11 @@ region and credentials come from the standard AWS environment variables and file
 as options (``endpoint_url``, ``region``, ``access_key``, ``secret_key``, ``session_token``);
 path-style addressing is used when an endpoint is given (S3-compatible stores). Each object is
 pinned by its ETag (``IfMatch``) for the whole load; ranged reads are checked like HTTP's.
+
+Data reads go through ``wire`` (the body received straight into its destination) on a presigned
+URL, made afresh every few minutes from the client's current credentials; Range and If-Match
+travel as headers outside the signature. Everything else (the header probe, the index, listings)
+and any answer ``wire`` does not read go through aiobotocore.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import ssl
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,14 +28,17 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
 
+from . import wire
 from ._threads import run_in_thread
 from .errors import SourceError, UsageError
-from .http import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, backoff, check_content_range, log, probe_last
+from .http import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, RETRY_STATUS, backoff, check_content_range, log, probe_last
 from .sources import Source, Store
 
 _RETRY_CODES = {"500", "502", "503", "504", "SlowDown", "InternalError", "RequestTimeout", "ServiceUnavailable", "429"}
 _GONE = {"NoSuchKey", "404", "NotFound"}
 _DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+#: A presigned URL is valid this long, and made afresh after a fifth of it.
+_PRESIGN_S = 3600
 
 
 _SESSION: Any = None
@@ -113,8 +123,81 @@ class S3Source(Source):
 
     async def readinto(self, offset: int, buf: memoryview) -> None:
         await self.size()
-        if self._from_whole(offset, buf):
+        if not len(buf) or self._from_whole(offset, buf):
             return
+        done = await self._read_wire(offset, buf) if self._store.wire_ok else 0
+        if done < len(buf):  # wire met an answer it does not read: the rest through aiobotocore
+            await self._read_boto(offset + done, buf[done:])
+
+    async def _read_wire(self, offset: int, buf: memoryview) -> int:
+        """``buf`` through ``wire`` on a presigned URL, resuming where a body broke off; returns
+        the bytes read, short of ``len(buf)`` only if an answer was ``wire.Unsupported``."""
+        total, done = len(buf), 0
+        cause: BaseException | None = None
+        for attempt in range(self._store.retries):
+            await backoff(attempt)
+            first, last = offset + done, offset + total - 1
+            headers = {"Range": f"bytes={first}-{last}", "Accept-Encoding": "identity"}
+            if self._etag:
+                headers["If-Match"] = self._etag
+            client = await self._store.wire_client()
+            try:
+                resp = await client.open(await self._store.presigned(self._key), headers)
+            except wire.Unsupported:
+                self._store.wire_ok = False
+                return done
+            except (wire.WireError, asyncio.TimeoutError) as exc:
+                cause = exc
+            else:
+                try:
+                    if self._check(resp, first, last):
+                        try:
+                            await resp.read_into(buf[done:])
+                        finally:
+                            done += resp.received
+                        return done
+                    cause = SourceError(f"{resp.status} {resp.reason}", url=self.url)
+                except (wire.WireError, asyncio.TimeoutError) as exc:
+                    cause = exc
+                finally:
+                    client.release(resp)
+            log.warning(
+                "%s bytes [%d, %d): attempt %d of %d failed after %d bytes: %s",
+                self.url,
+                offset,
+                offset + total,
+                attempt + 1,
+                self._store.retries,
+                done,
+                type(cause).__name__,
+            )
+        raise SourceError(
+            f"gave up after {self._store.retries} attempts; last: {cause}",
+            url=self.url,
+            byte_range=(offset, offset + total),
+        ) from None  # a connection error may quote the presigned URL
+
+    def _check(self, resp: wire.Response, first: int, last: int) -> bool:
+        """True for the range asked for; False for an answer worth another attempt (a 5xx, or a
+        403 from a presigned URL that expired: the next is made afresh); else an error."""
+        span = (first, last + 1)
+        if resp.status == 412:
+            raise SourceError("object changed during the load (IfMatch failed)", url=self.url, byte_range=span)
+        if resp.status == 403:
+            self._store.forget_presigned()
+            return False
+        if resp.status == 404:
+            raise SourceError("not found (404)", url=self.url)
+        if resp.status in RETRY_STATUS:
+            return False
+        if resp.status != 206:
+            raise SourceError(f"get_object answered {resp.status} {resp.reason}", url=self.url, byte_range=span)
+        check_content_range(resp.headers.get("Content-Range"), first, last, self._size, self.url)
+        if self._etag and resp.headers.get("ETag") not in (None, self._etag):
+            raise SourceError("object changed during the load (ETag differs)", url=self.url, byte_range=span)
+        return True
+
+    async def _read_boto(self, offset: int, buf: memoryview) -> None:
         total, done = len(buf), 0
         for attempt in range(self._store.retries):  # a body that breaks off resumes from the bytes received
             if done == total:
@@ -236,6 +319,7 @@ class S3Store(Store):
             "aws_session_token": session_token,
             "config": AioConfig(
                 s3={"addressing_style": "path" if endpoint else "auto"},
+                signature_version="s3v4",  # presigned URLs too (SigV2's are refused by newer buckets)
                 retries={"max_attempts": 1, "mode": "standard"},  # aload retries and resumes itself
                 connect_timeout=timeout,
                 read_timeout=timeout,
@@ -245,6 +329,36 @@ class S3Store(Store):
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Any = None
         self._sources: dict[str, S3Source] = {}
+        self._concurrency, self._timeout = concurrency, timeout
+        self._https = not endpoint or endpoint.lower().startswith("https")
+        self._ssl: ssl.SSLContext | None = None  # made by prepare()
+        self._wire: wire.Client | None = None
+        self.wire_ok = True  # until an answer wire does not read
+        self._presigned: dict[str, tuple[float, str]] = {}  # key -> (when made, URL)
+
+    async def prepare(self) -> None:
+        if self._https and self._ssl is None:  # the system's CAs: tens of ms, on a thread
+            self._ssl = await run_in_thread(ssl.create_default_context)
+
+    async def wire_client(self) -> wire.Client:
+        if self._wire is None:
+            self._wire = wire.Client(limit=self._concurrency + 2, timeout=self._timeout, ssl_context=self._ssl)
+        return self._wire
+
+    async def presigned(self, key: str) -> str:
+        """A presigned GET of ``key``: made locally (no request), reused for a fifth of its life."""
+        made = self._presigned.get(key)
+        now = time.monotonic()
+        if made is None or now - made[0] > _PRESIGN_S / 5:
+            client = await self.client()
+            url = await client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=_PRESIGN_S
+            )
+            made = self._presigned[key] = (now, url)
+        return made[1]
+
+    def forget_presigned(self) -> None:
+        self._presigned.clear()
 
     async def client(self) -> Any:
         if self._client is None:
@@ -295,6 +409,10 @@ class S3Store(Store):
         return data
 
     async def aclose(self) -> None:
+        self._presigned.clear()
+        if self._wire is not None:
+            self._wire.close()
+            self._wire = None
         if self._stack is not None:
             await self._stack.aclose()
             self._stack, self._client = None, None

@@ -173,3 +173,36 @@ async def test_random_checkpoints_stream_identical_over_s3(s3: dict[str, Any], t
         s3["client"].upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
         url = f"s3://{BUCKET}/{prefix}/{path.name}"
     assert await streamed(url, **s3["opts"]) == reference(path)
+
+
+async def test_data_reads_go_straight_into_place_on_presigned_urls(
+    s3: dict[str, Any], sharded: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranged data reads go through ``aload.wire`` on a presigned URL per object, made once and
+    reused, with Range and If-Match (the ETag from the header probe) sent as headers."""
+    from aload import wire
+
+    asked: list[tuple[str, dict[str, str]]] = []
+    real = wire.Client.open
+
+    async def recorded(self: Any, url: str, headers: dict[str, str]) -> Any:
+        asked.append((url, dict(headers)))
+        return await real(self, url, headers)
+
+    monkeypatch.setattr(wire.Client, "open", recorded)
+    tensors = llama_like(hidden=256)
+    folder = sharded(tensors, 3)
+    upload(s3["client"], folder, "wire")
+    got = await collect(aload.stream(f"s3://{BUCKET}/wire/", chunk_bytes=1 << 16, **s3["opts"]))
+    assert set(got) == set(tensors) and all(torch.equal(got[k], v) for k, v in tensors.items())
+    etags = {
+        p.name: s3["client"].head_object(Bucket=BUCKET, Key=f"wire/{p.name}")["ETag"]
+        for p in folder.glob("*.safetensors")
+    }
+    urls = {url.split("?")[0].rsplit("/", 1)[1]: url for url, _ in asked}
+    assert set(urls) == set(etags) and len({url for url, _ in asked}) == len(etags)  # one URL per object
+    assert all("X-Amz-Signature=" in url for url in urls.values())  # SigV4
+    assert all(
+        h["If-Match"] == etags[url.split("?")[0].rsplit("/", 1)[1]] and h["Range"].startswith("bytes=")
+        for url, h in asked
+    )
