@@ -232,6 +232,7 @@ class Client:
         self._timeout = timeout
         self._ssl = ssl_context
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._closed = False
 
     async def open(self, url: str, headers: dict[str, str]) -> Response:
         """GET ``url`` and read the response's head, following redirects (``Authorization`` is
@@ -255,7 +256,8 @@ class Client:
         """The connection goes back to the pool if the body was read whole and the server keeps
         it open; otherwise it is closed."""
         conn = resp._conn
-        if resp.done and not conn.closed and resp.headers.get("Connection", "").lower() != "close":
+        keep = not self._closed and resp.done and not conn.closed
+        if keep and resp.headers.get("Connection", "").lower() != "close":
             self._idle.setdefault(_origin(resp.url), []).append(conn)
         else:
             conn.close()
@@ -327,6 +329,8 @@ class Client:
         return conn
 
     def close(self) -> None:
+        """Close the idle connections, and each busy one when it is released."""
+        self._closed = True
         for conns in self._idle.values():
             for conn in conns:
                 conn.close()
