@@ -72,6 +72,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._scratch = bytearray(MAX_HEAD_BYTES)
         self._seen = 0  # bytes of the head (and maybe some body) in the scratch buffer
+        self._spill: bytearray | None = None  # handed out when the scratch buffer is full
+        self._extra: list[bytes] = []  # body bytes that came into spills before the destination
         self._view: memoryview | None = None  # the body's destination, while it is received
         self.received = 0  # bytes of the body in the destination
         self._waiter: asyncio.Future[None] | None = None
@@ -90,9 +92,17 @@ class _Connection(asyncio.BufferedProtocol):
         self._fail(WireError(f"connection closed ({exc})" if exc else "connection closed by the server"))
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        # Not every buffer handed out is filled (uvloop asks before each read it tries), so
+        # ``buffer_updated`` goes by the last one.
+        self._spill = None
         if self._view is not None:
             return self._view[self.received : self.received + RECV_BYTES]
-        return memoryview(self._scratch)[self._seen :]
+        if self._seen < len(self._scratch):
+            return memoryview(self._scratch)[self._seen :]
+        # Full, and reading paused: uvloop may still read once or twice before the pause takes
+        # (an empty buffer here is a fatal error for the connection).
+        self._spill = bytearray(RECV_BYTES)
+        return memoryview(self._spill)
 
     def buffer_updated(self, nbytes: int) -> None:
         self._last = time.monotonic()
@@ -101,6 +111,12 @@ class _Connection(asyncio.BufferedProtocol):
             if self.received == len(self._view):
                 self._view = None
                 self._wake()
+            return
+        if self._spill is not None:
+            self._extra.append(bytes(self._spill[:nbytes]))
+            self._spill = None
+            if sum(map(len, self._extra)) > 16 * RECV_BYTES:
+                self._fail(WireError("server sent far more than a response head before its body was read"))
             return
         self._seen += nbytes
         if self._head_end >= 0:  # bytes after a complete head before the body was asked for
@@ -121,7 +137,7 @@ class _Connection(asyncio.BufferedProtocol):
     # -- the caller's side ------------------------------------------------------------------
     async def request(self, data: bytes) -> tuple[int, str, Headers]:
         assert self._transport is not None and self._view is None
-        self._seen, self._head_end, self.received = 0, -1, 0
+        self._seen, self._head_end, self.received, self._extra, self._spill = 0, -1, 0, [], None
         self._transport.write(data)
         self._resume()
         await self._wait()
@@ -129,10 +145,16 @@ class _Connection(asyncio.BufferedProtocol):
 
     async def read_into(self, view: memoryview) -> None:
         """Fill ``view`` exactly with the body; ``received`` counts what landed, also on failure."""
-        early = self._seen - (self._head_end + 4)
+        first = memoryview(self._scratch)[self._head_end + 4 : self._seen]
+        early = len(first) + sum(map(len, self._extra))
         if early > len(view):
             raise WireError("server sent more bytes than the response holds")
-        view[:early] = memoryview(self._scratch)[self._head_end + 4 : self._seen]
+        view[: len(first)] = first
+        at = len(first)
+        for chunk in self._extra:
+            view[at : at + len(chunk)] = chunk
+            at += len(chunk)
+        self._extra = []
         self.received = early
         if early == len(view):
             return

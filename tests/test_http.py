@@ -284,3 +284,24 @@ async def test_a_cancelled_read_writes_nothing_more_into_its_buffer(folder: Path
         client.close()
     assert 0 < resp.received < 4096 and bytes(dest) == before
     assert dest[: resp.received] == (folder / shard).read_bytes()[: resp.received]
+
+
+def test_under_uvloop_no_request_is_asked_twice(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """uvloop asks the protocol for a buffer before every read it tries, also while reading is
+    paused: the body bytes that come then are kept, and no connection breaks (a broken one was
+    retried silently: the load succeeded, with every data read asked twice)."""
+    import uvloop
+
+    local = asyncio.run(collect(aload.stream(folder)))
+
+    async def main() -> tuple[dict[str, torch.Tensor], list[tuple[str, str, str]]]:
+        async with FileServer() as srv:
+            srv.add_folder(folder)
+            got = await collect(aload.stream(srv.url, chunk_bytes=MiB // 2))
+            return got, list(srv.requests)
+
+    with caplog.at_level("INFO", logger="aload"):
+        remote, requests = uvloop.run(main())
+    assert all(torch.equal(remote[k], local[k]) for k in local)
+    ranged = [(n, r) for m, n, r in requests if r]
+    assert len(ranged) == len(set(ranged)) and not caplog.records
