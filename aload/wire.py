@@ -139,9 +139,21 @@ class _Connection(asyncio.BufferedProtocol):
         assert self._transport is not None and self._view is None
         self._seen, self._head_end, self.received, self._extra, self._spill = 0, -1, 0, [], None
         self._transport.write(data)
-        self._resume()
-        await self._wait()
-        return _parse_head(bytes(self._scratch[: self._head_end]))
+        while True:
+            if self._head_end < 0:
+                self._resume()
+                await self._wait()
+            status, reason, headers = _parse_head(bytes(self._scratch[: self._head_end]))
+            if not 100 <= status < 200 or status == 101:
+                return status, reason, headers
+            # An interim answer (103 Early Hints from a CDN, 100 Continue): dropped; the final
+            # one follows on the same connection, maybe already in the buffer.
+            if self._extra:
+                raise WireError(f"an interim {status} answer followed by more than a head's worth")
+            rest = bytes(self._scratch[self._head_end + 4 : self._seen])
+            self._scratch[: len(rest)] = rest
+            self._seen = len(rest)
+            self._head_end = self._scratch.find(b"\r\n\r\n", 0, self._seen)
 
     async def read_into(self, view: memoryview) -> None:
         """Fill ``view`` exactly with the body; ``received`` counts what landed, also on failure."""

@@ -336,3 +336,40 @@ def test_https_bodies_straight_into_place_under_either_loop(
     assert all(torch.equal(remote[k], local[k]) for k in local)
     ranged = [(n, r) for m, n, r in requests if r]
     assert len(ranged) == len(set(ranged)) and not caplog.records
+
+
+@pytest.mark.parametrize("split", [False, True])
+async def test_interim_answers_are_skipped(split: bool) -> None:
+    """A 103 Early Hints (or 100 Continue) before the real answer, in the same packet or apart,
+    is dropped: the status, headers and body are the final answer's."""
+    from aload import wire
+
+    body = bytes(range(256)) * 64
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        interim = b"HTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n"
+        final = f"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-{len(body) - 1}/{len(body)}\r\n"
+        final += f"Content-Length: {len(body)}\r\n\r\n"
+        writer.write(interim + (b"" if split else final.encode()))
+        if split:
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(final.encode())
+        writer.write(body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = wire.Client(limit=1, timeout=5)
+    try:
+        resp = await client.open(f"http://127.0.0.1:{port}/x", {"Range": f"bytes=0-{len(body) - 1}"})
+        assert (resp.status, resp.headers.get("content-range")) == (206, f"bytes 0-{len(body) - 1}/{len(body)}")
+        got = await resp.read()
+        client.release(resp)
+    finally:
+        client.close()
+        server.close()
+        await server.wait_closed()
+    assert got == body
