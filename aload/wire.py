@@ -15,10 +15,13 @@ or encoded body) raises ``Unsupported`` and the caller asks again through aiohtt
 from __future__ import annotations
 
 import asyncio
+import base64
 import ssl
 import time
 from typing import Any
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import quote, unquote, urljoin, urlsplit
+
+from .errors import UsageError
 
 #: The most a response's status line and headers may take.
 MAX_HEAD_BYTES = 64 * 1024
@@ -313,11 +316,19 @@ class Client:
     async def _once(self, url: str, headers: dict[str, str]) -> Response:
         parts = urlsplit(url)
         origin = _origin(url)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        host = parts.hostname or ""
+        # As a browser sends it: spaces, control and non-ASCII characters percent-encoded (UTF-8),
+        # escapes already there kept. A name from an index never reaches the request line raw.
+        target = quote((parts.path or "/") + (f"?{parts.query}" if parts.query else ""), safe=_URL_SAFE)
+        host = origin[1]
         host_header = f"[{host}]" if ":" in host else host
         if parts.port:
             host_header += f":{parts.port}"
+        for k, v in headers.items():
+            if any(c in f"{k}{v}" for c in "\r\n\0") or ":" in k:
+                raise UsageError(f"header {k!r} holds a line break or a colon in its name")
+        if parts.username is not None and not any(k.lower() == "authorization" for k in headers):
+            user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            headers = {**headers, "Authorization": "Basic " + base64.b64encode(user.encode()).decode()}
         lines = [f"GET {target} HTTP/1.1", f"Host: {host_header}", "User-Agent: aload"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
@@ -371,7 +382,14 @@ class Client:
         self._idle.clear()
 
 
+#: Characters left as they are in a request target (besides letters, digits and ``_.-~``).
+_URL_SAFE = "!#$%&'()*+,/:;=?@[]"
+
+
 def _origin(url: str) -> tuple[str, str, int]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    return scheme, parts.hostname or "", parts.port or (443 if scheme == "https" else 80)
+    host = parts.hostname or ""
+    if not host.isascii():
+        host = host.encode("idna").decode("ascii")
+    return scheme, host, parts.port or (443 if scheme == "https" else 80)

@@ -373,3 +373,21 @@ async def test_interim_answers_are_skipped(split: bool) -> None:
         server.close()
         await server.wait_closed()
     assert got == body
+
+
+async def test_request_lines_and_headers_are_well_formed(write: Callable[..., Path]) -> None:
+    """A name with a space or non-ASCII letters is percent-encoded in the request line, a password
+    in the URL becomes Basic authorization, and a header with a line break is refused, never sent."""
+    import base64
+
+    path = write({"w": torch.arange(6.0)}, name="odd/model ünï.safetensors")
+    basic = "Basic " + base64.b64encode(b"user:p@ss word").decode()
+    async with FileServer(auth=basic) as srv:
+        srv.files["model ünï.safetensors"] = path.read_bytes()
+        url = srv.url.replace("http://", "http://user:p%40ss%20word@") + "/model%20%C3%BCn%C3%AF.safetensors"
+        got = await collect(aload.stream(url))
+        raw = await collect(aload.stream(url.replace("%20%C3%BCn%C3%AF", " ünï")))  # as a user may type it
+        assert torch.equal(got["w"], torch.arange(6.0)) and torch.equal(raw["w"], torch.arange(6.0))
+        assert {n for m, n, r in srv.requests} == {"model ünï.safetensors"}
+        with pytest.raises(aload.UsageError, match="line break"):
+            await aload.open(srv.url + "/model%20%C3%BCn%C3%AF.safetensors", headers={"X-A": "1\r\nX-B: 2"})
