@@ -391,3 +391,27 @@ async def test_request_lines_and_headers_are_well_formed(write: Callable[..., Pa
         assert {n for m, n, r in srv.requests} == {"model ünï.safetensors"}
         with pytest.raises(aload.UsageError, match="line break"):
             await aload.open(srv.url + "/model%20%C3%BCn%C3%AF.safetensors", headers={"X-A": "1\r\nX-B: 2"})
+
+
+async def test_a_cancelled_load_leaves_no_connection_open(folder: Path) -> None:
+    """Cancelling a load while a body trickles in closes every connection it opened, at once."""
+    import os
+
+    shard = "model-00002-of-00003.safetensors"
+    fds = len(os.listdir("/proc/self/fd"))
+    async with FileServer() as srv:
+        srv.add_folder(folder)
+        srv.faults[shard] = [None, "trickle"]  # the header probe, then a data read that stalls
+        task = asyncio.ensure_future(collect(aload.stream(srv.url, chunk_bytes=MiB, timeout=30)))
+        for _ in range(100):  # until the trickling read has started
+            await asyncio.sleep(0.02)
+            if [n for m, n, r in srv.requests].count(shard) == 2:
+                break
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2)
+        server = srv._runner.server
+        assert server is not None and all(h.transport is None for h in server.connections)  # all disconnected
+    assert len(os.listdir("/proc/self/fd")) <= fds
