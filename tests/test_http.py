@@ -411,7 +411,11 @@ async def test_a_cancelled_load_leaves_no_connection_open(folder: Path) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.2)
         server = srv._runner.server
-        assert server is not None and all(h.transport is None for h in server.connections)  # all disconnected
+        assert server is not None
+        for _ in range(100):  # the server sees the closes within a few ms; allow a busy machine 2 s
+            if all(h.transport is None for h in server.connections):
+                break
+            await asyncio.sleep(0.02)
+        assert all(h.transport is None for h in server.connections)  # every connection disconnected
     assert len(os.listdir("/proc/self/fd")) <= fds
