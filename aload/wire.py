@@ -146,13 +146,17 @@ class _Connection(asyncio.BufferedProtocol):
             if self._head_end < 0:
                 self._resume()
                 await self._wait()
-            status, reason, headers = _parse_head(bytes(self._scratch[: self._head_end]))
-            if not 100 <= status < 200 or status == 101:
-                return status, reason, headers
-            # An interim answer (103 Early Hints from a CDN, 100 Continue): dropped; the final
-            # one follows on the same connection, maybe already in the buffer.
-            if self._extra:
-                raise WireError(f"an interim {status} answer followed by more than a head's worth")
+            try:
+                status, reason, headers = _parse_head(bytes(self._scratch[: self._head_end]))
+                if not 100 <= status < 200 or status == 101:
+                    return status, reason, headers
+                # An interim answer (103 Early Hints from a CDN, 100 Continue): dropped; the final
+                # one follows on the same connection, maybe already in the buffer.
+                if self._extra:
+                    raise WireError(f"an interim {status} answer followed by more than a head's worth")
+            except WireError:
+                self.close()
+                raise
             rest = bytes(self._scratch[self._head_end + 4 : self._seen])
             self._scratch[: len(rest)] = rest
             self._seen = len(rest)

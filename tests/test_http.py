@@ -419,3 +419,51 @@ async def test_a_cancelled_load_leaves_no_connection_open(folder: Path) -> None:
             await asyncio.sleep(0.02)
         assert all(h.transport is None for h in server.connections)  # every connection disconnected
     assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (b"HTTP/1.1 abc OK\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 206 OK\r\nX: " + b"y" * (70 << 10) + b"\r\n\r\n", "response head over"),
+        (b"HTTP/1.1 206 OK\r\nno colon here\r\n\r\n", "malformed header line"),
+        (b"HTTP/1.1 302 Found\r\nLocation: /again\r\n\r\n", "more than 10 redirects"),
+        (
+            b"HTTP/1.1 206 OK\r\nContent-Range: bytes 0-65535/99999\r\nContent-Length: 65536\r\n\r\nabc",
+            "connection closed",
+        ),
+    ],
+)
+async def test_a_server_that_is_not_http_gets_a_named_error(answer: bytes, message: str) -> None:
+    """Garbage, an endless head, a redirect loop or a body cut short: each attempt fails with the
+    cause in the log, and the load fails naming the URL and the range, without hanging."""
+    import logging
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(answer)
+                await writer.drain()
+                if b"206" in answer:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("aload").addHandler(handler)
+    try:
+        with pytest.raises(aload.SourceError, match="gave up after 2 attempts") as info:
+            await asyncio.wait_for(aload.open(f"http://127.0.0.1:{port}/model.safetensors", retries=2, timeout=5), 20)
+    finally:
+        logging.getLogger("aload").removeHandler(handler)
+        server.close()
+        await server.wait_closed()
+    assert "model.safetensors" in str(info.value) and "bytes" in str(info.value)
+    assert any(message in r for r in records), records
