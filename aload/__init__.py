@@ -8,6 +8,7 @@ from .format import TensorSpec
 from .loader import Installed, Loader, LoadReport, load, load_sync
 from .pipeline import TensorStream, stream
 from .reader import Progress, ReaderStats
+from .sources import preload
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "load",
     "load_sync",
     "open",
+    "preload",
     "stages",
     "stream",
 ]

@@ -66,6 +66,13 @@ def _load_models(session: Any) -> None:
             loader.load_data(name)
 
 
+def warm() -> None:
+    """Load botocore's S3 models now (see ``aload.preload``)."""
+    global _WARMED
+    _load_models(_session())
+    _WARMED = True
+
+
 async def _warm_session() -> Any:
     """The session, its models loaded on a thread the first time: the first create_client then
     held the event loop up to 18-24 ms instead of 82-138 ms (``benchmarks/s3_first_client.py``;

@@ -2,6 +2,11 @@
 docs/benchmarks.md come from.
 
     python benchmarks/loop_stalls.py CHECKPOINT_DIR [--load-weights] [--cold] [--late-ms 3]
+        [--source URL [--preload]]
+
+``--source`` loads the same checkpoint from a URL instead (``http(s)://`` or ``s3://``, with the
+endpoint and credentials from the usual AWS variables), the model still built from the folder;
+``--preload`` calls ``aload.preload()`` first, as a serving process would at start-up.
 
 A 1 ms ticker runs on the loop while ``aload.load`` fills a preallocated model (or, with
 ``--load-weights``, a vLLM-style ``load_weights`` that ``copy_()``s each tensor). A watchdog thread
@@ -48,6 +53,8 @@ def main() -> None:
     ap.add_argument("--load-weights", action="store_true", help="through a vLLM-style load_weights")
     ap.add_argument("--cold", action="store_true", help="drop the files from the page cache first")
     ap.add_argument("--late-ms", type=float, default=3.0)
+    ap.add_argument("--source", help="load from this URL (the folder gives the model's shapes)")
+    ap.add_argument("--preload", action="store_true", help="aload.preload() before the load")
     a = ap.parse_args()
 
     import torch
@@ -64,6 +71,8 @@ def main() -> None:
     model = empty_model(shapes, torch.bfloat16)
     params = dict(model.named_parameters())
     drop_cache(a.folder) if a.cold else warm_cache(a.folder)
+    if a.preload:
+        aload.preload()
 
     class Engine(torch.nn.Module):
         def load_weights(self, weights: Any) -> set[str]:
@@ -102,7 +111,7 @@ def main() -> None:
         watcher.start()
         t0[0] = time.perf_counter()
         try:
-            return await aload.load(Engine() if a.load_weights else model, a.folder)
+            return await aload.load(Engine() if a.load_weights else model, a.source or a.folder)
         finally:
             stop.set()
             ticker.cancel()

@@ -206,3 +206,21 @@ async def test_data_reads_go_straight_into_place_on_presigned_urls(
         h["If-Match"] == etags[url.split("?")[0].rsplit("/", 1)[1]] and h["Range"].startswith("bytes=")
         for url, h in asked
     )
+
+
+def test_preload_imports_the_clients_and_loads_the_s3_models() -> None:
+    """``aload.preload()`` at start-up: the clients imported and botocore's S3 models loaded, so
+    the first remote load does neither on a thread while the loop serves; a scheme aload does not
+    know is refused."""
+    import sys
+
+    from aload import s3 as s3mod
+
+    s3mod._WARMED = False
+    aload.preload("http", "s3")
+    assert {"aiohttp", "aiobotocore", "aload.http", "aload.s3"} <= set(sys.modules) and s3mod._WARMED
+    loader = s3mod._session().get_component("data_loader")
+    assert loader.load_service_model("s3", "service-2")["metadata"]["endpointPrefix"] == "s3"
+    aload.preload()  # every scheme
+    with pytest.raises(aload.UsageError, match="gopher"):
+        aload.preload("gopher")
