@@ -178,6 +178,9 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     a = ap.parse_args()
+    scheme = a.checkpoint.split("://")[0] if "://" in a.checkpoint else ""
+    if scheme in ("http", "https", "s3"):
+        aload.preload(scheme)  # before the loop serves: the client imports hold the GIL for tens of ms
     print(json.dumps({"listening": f"http://{a.host}:{a.port}", "loading": a.checkpoint, "t": time.time()}))
     web.run_app(Server().app(a.checkpoint), host=a.host, port=a.port)
 
