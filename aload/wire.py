@@ -3,13 +3,14 @@
 aiohttp hands a body over as ``bytes`` chunks that the reader then copies into place: two copies
 of every byte and Python work per chunk. Here an ``asyncio.BufferedProtocol`` gives the transport
 the destination itself, so the kernel copies the body into the tensor's memory (or the unit's
-buffer) and Python runs once per socket read of up to the whole remaining range. Over loopback
-from nginx into a preallocated buffer, 16 MiB ranges on 4 connections: 1.80-1.88 GB/s at
-0.41-0.49 CPU s/GB, against 0.83-0.94 GB/s at 1.13 for aiohttp (``benchmarks/remote.py``).
+buffer), ``RECV_BYTES`` at a time. A prototype read 2 GiB over loopback from nginx into one
+buffer at 1.80-1.88 GB/s and 0.41-0.49 CPU s/GB, against 0.83-0.94 GB/s and 1.13 for aiohttp;
+aload into a model went from 0.98 to 1.34-1.39 GB/s (``benchmarks/remote.py``).
 
 Only what aload's ranged reads need: GET, keep-alive connections per origin, TLS, redirects,
-a deadline on progress. A response this module does not read (no ``Content-Length``, a chunked
-or encoded body) raises ``Unsupported`` and the caller asks again through aiohttp.
+interim answers skipped, a password in the URL as Basic authorization, a deadline on progress.
+A response this module does not read (no ``Content-Length``, a chunked or encoded body) raises
+``Unsupported`` and the caller asks again through aiohttp.
 """
 
 from __future__ import annotations
