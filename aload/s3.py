@@ -153,6 +153,8 @@ class S3Source(Source):
             except wire.Unsupported:
                 self._store.wire_ok = False
                 return done
+            except ssl.SSLError as exc:
+                raise SourceError(f"TLS failed ({exc.__class__.__name__})", url=self.url) from None
             except (wire.WireError, asyncio.TimeoutError) as exc:
                 cause = exc
             else:
