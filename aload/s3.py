@@ -147,7 +147,7 @@ class S3Source(Source):
             headers = {"Range": f"bytes={first}-{last}", "Accept-Encoding": "identity"}
             if self._etag:
                 headers["If-Match"] = self._etag
-            client = await self._store.wire_client()
+            client = self._store.wire_client()
             try:
                 resp = await client.open(await self._store.presigned(self._key), headers)
             except wire.Unsupported:
@@ -349,7 +349,7 @@ class S3Store(Store):
         if self._https and self._ssl is None:  # the system's CAs: tens of ms, on a thread
             self._ssl = await run_in_thread(ssl.create_default_context)
 
-    async def wire_client(self) -> wire.Client:
+    def wire_client(self) -> wire.Client:
         if self._wire is None:
             self._wire = wire.Client(limit=self._concurrency + 2, timeout=self._timeout, ssl_context=self._ssl)
         return self._wire

@@ -160,14 +160,20 @@ def _store_target(url: str) -> tuple[str, str, str | None]:
 def open_store(url: str, *, concurrency: int, **options: Any) -> Store:
     """The Store for ``url``, chosen by scheme; its module (with any optional client) is imported
     here unless ``import_store`` already did, on a thread."""
-    module_name, cls_name, extra = _store_target(url)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        hint = f": pip install 'aload[{extra}]'" if extra else ""
-        raise UsageError(f"{urlparse(url).scheme}:// needs an optional dependency{hint}", url=url) from exc
+    module, cls_name = _store_module(url, url)
     cls: Callable[..., Store] = getattr(module, cls_name)
     return cls(url, concurrency=concurrency, **options)
+
+
+def _store_module(url: str, named: str | None = None) -> tuple[Any, str]:
+    """The module of ``url``'s Store, imported, and the Store's class name; an ImportError becomes
+    a UsageError naming the extra to install (and ``named``, the URL asked for, if given)."""
+    module_name, cls_name, extra = _store_target(url)
+    try:
+        return importlib.import_module(module_name), cls_name
+    except ImportError as exc:
+        hint = f": pip install 'aload[{extra}]'" if extra else ""
+        raise UsageError(f"{urlparse(url).scheme}:// needs an optional dependency{hint}", url=named) from exc
 
 
 async def import_store(url: str) -> None:
@@ -188,12 +194,7 @@ def preload(*schemes: str) -> None:
     loop over 4 ms late 8-9 times, the worst 54-76 ms, against 1-3 times and 7.7-9.4 ms after
     this (``python benchmarks/loop_stalls.py DIR --source s3://... [--preload]``)."""
     for scheme in schemes or tuple(s for s in STORES if s not in ("", "file")):
-        module_name = _store_target(f"{scheme}://x")[0]
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            extra = STORES[scheme][1]
-            raise UsageError(f"{scheme}:// needs an optional dependency: pip install 'aload[{extra}]'") from exc
+        module = _store_module(f"{scheme}://x")[0]
         warm = getattr(module, "warm", None)
         if warm is not None:
             warm()

@@ -255,8 +255,9 @@ class Response:
 
     async def read_into(self, view: memoryview) -> None:
         """The whole body into ``view``, which must be its exact length."""
-        if self._length() != len(view):
-            raise WireError(f"Content-Length {self._length()} for a {len(view)}-byte destination")
+        length = self._length()
+        if length != len(view):
+            raise WireError(f"Content-Length {length} for a {len(view)}-byte destination")
         await self._conn.read_into(view)
         self.done = True
 
@@ -363,7 +364,9 @@ class Client:
         scheme, host, port = origin
         tls: Any = None
         if scheme == "https":
-            tls = self._ssl if self._ssl is not None else ssl.create_default_context()
+            if self._ssl is None:  # made once per client (tens of ms): an http:// store sent to https://
+                self._ssl = ssl.create_default_context()
+            tls = self._ssl
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
