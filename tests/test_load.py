@@ -222,9 +222,23 @@ async def test_an_override_of_one_phase_is_honoured(write: Callable[..., Path]) 
             log.append(f"custom load {n}")
             return aload.Installed({"w"})
 
+    class Dests(aload.Loader):  # asked even though the model has load_weights (aload skips its own)
+        def destinations(self, model: nn.Module, device: torch.device) -> Any:
+            log.append(f"destinations on {threading.current_thread().name != 'MainThread'}")
+            return None
+
     await aload.load(Recorder(log), path, loader=NoPost())
     await aload.load(Recorder(log), path, loader=Counting())
-    assert log == ["load w", "custom postprocess", "custom load 1", "postprocess"]
+    await aload.load(Recorder(log), path, loader=Dests())
+    assert log == [
+        "load w",
+        "custom postprocess",
+        "custom load 1",
+        "postprocess",
+        "destinations on True",  # a thread: an override may walk the model
+        "load w",
+        "postprocess",
+    ]
 
 
 async def test_quantization_postprocess_sees_every_weight(write: Callable[..., Path]) -> None:
