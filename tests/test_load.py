@@ -443,3 +443,61 @@ def test_post_processing_finds_quant_method_however_it_is_defined() -> None:
     model = nn.Sequential(inst, ClassAttr(2, 2), Prop(2, 2), NoneProp(2, 2), sub, nn.Linear(2, 2), inst)
     Loader().postprocess_weights(model, torch.device("cpu"))
     assert seen == ["instance", "class", "property", "submodule"]  # inst once, though it is there twice
+
+
+async def test_loads_running_at_once_in_one_loop_keep_to_their_own_models(tmp_path: Path) -> None:
+    """A frontend may load several models at once (a draft model beside the target, adapters):
+    each gets its own checkpoint's bytes, and one that fails or is cancelled leaves the others
+    to finish."""
+    from safetensors.torch import save_file
+
+    def checkpoint(name: str, seed: int) -> tuple[Path, dict[str, torch.Tensor]]:
+        g = torch.Generator().manual_seed(seed)
+        tensors = {f"t{i}": torch.randn(64, 1024, generator=g) for i in range(12)}
+        path = tmp_path / name / "model.safetensors"
+        path.parent.mkdir()
+        save_file(tensors, str(path))
+        return path, tensors
+
+    (pa, ta), (pb, tb), (pc, _) = checkpoint("a", 1), checkpoint("b", 2), checkpoint("c", 3)
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(pc.read_bytes()[:-1000])  # the last tensor cut short
+
+    class Engine(nn.Module):  # vLLM-style, copying each tensor into its parameter
+        def __init__(self) -> None:
+            super().__init__()
+            self.params = {k: torch.zeros(64, 1024) for k in ta}
+            self.started = threading.Event()
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            for name, t in weights:
+                self.started.set()
+                self.params[name].copy_(t)
+                threading.Event().wait(0.002)  # slow enough for the loads to interleave
+            return set()
+
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for k in ta:
+                self.register_parameter(k, nn.Parameter(torch.zeros(64, 1024), requires_grad=False))
+
+    plain, engine, doomed = Plain(), Engine(), Engine()
+    small = {"max_inflight_bytes": 2 * MiB, "chunk_bytes": MiB}
+    cancelled = asyncio.ensure_future(aload.load(doomed, pc, **small))
+    loads = asyncio.gather(
+        aload.load(plain, pa, **small),
+        aload.load(engine, pb, **small),
+        aload.load(Plain(), broken, **small),
+        return_exceptions=True,
+    )
+    while not doomed.started.is_set():
+        await asyncio.sleep(0.002)
+    cancelled.cancel()
+    a, b, bad = await loads
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert isinstance(a, aload.LoadReport) and isinstance(b, aload.LoadReport), (a, b)
+    assert all(torch.equal(getattr(plain, k), v) for k, v in ta.items())
+    assert all(torch.equal(engine.params[k], v) for k, v in tb.items())
+    assert isinstance(bad, aload.AloadError) and "broken.safetensors" in str(bad), bad

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -214,13 +215,24 @@ def test_preload_imports_the_clients_and_loads_the_s3_models() -> None:
     know is refused."""
     import sys
 
+    import botocore
+
     from aload import s3 as s3mod
 
     s3mod._WARMED = False
+    botocore._xform_cache.clear()  # operation names, filled by building a client
+    threads = set(threading.enumerate())
     aload.preload("http", "s3")
     assert {"aiohttp", "aiobotocore", "aload.http", "aload.s3"} <= set(sys.modules) and s3mod._WARMED
     loader = s3mod._session().get_component("data_loader")
     assert loader.load_service_model("s3", "service-2")["metadata"]["endpointPrefix"] == "s3"
+    assert ("GetObject", "_") in botocore._xform_cache  # a client was built (and closed: no warning)
+    assert set(threading.enumerate()) <= threads  # its thread is gone
+
+    async def inside_a_running_loop() -> None:
+        aload.preload("s3")
+
+    asyncio.run(inside_a_running_loop())
     aload.preload()  # every scheme
     with pytest.raises(aload.UsageError, match="gopher"):
         aload.preload("gopher")
