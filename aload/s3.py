@@ -88,8 +88,10 @@ def warm() -> None:
             aws_access_key_id="x",
             aws_secret_access_key="x",
             config=AioConfig(s3={"addressing_style": "path"}, signature_version="s3v4"),
-        ):
-            pass
+        ) as client:
+            # A request made and signed locally: the first one's validation, serialization and
+            # signing paths (their patterns compiled) then run here, not on the first load's loop.
+            await client.generate_presigned_url("get_object", Params={"Bucket": "b", "Key": "k"}, ExpiresIn=60)
 
     failed: list[BaseException] = []
 

@@ -188,10 +188,11 @@ async def import_store(url: str) -> None:
 
 def preload(*schemes: str) -> None:
     """Import the clients of these URL schemes (``"http"``, ``"https"``, ``"s3"``; all of them if
-    none is named) and load what their first use loads, now, on the calling thread. A serving
+    none is named) and load what their first use loads, now, before returning (S3: its models,
+    and one client built, used and closed on a thread of its own: ~0.35 s). A serving
     process calls it at start-up, before its event loop serves anything: otherwise its first
     remote load imports them on a thread meanwhile, holding the GIL: a first S3 load left the
-    loop over 4 ms late 8-9 times, the worst 54-76 ms, against 1-3 times and 7.7-9.4 ms after
+    loop over 4 ms late 8-9 times, the worst 54-76 ms, against 1-5 times and 6.8-8.7 ms after
     this (``python benchmarks/loop_stalls.py DIR --source s3://... [--preload]``)."""
     for scheme in schemes or tuple(s for s in STORES if s not in ("", "file")):
         module = _store_module(f"{scheme}://x")[0]
