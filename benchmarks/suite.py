@@ -401,36 +401,60 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     made = []
     scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
     loaders = list(dict.fromkeys(r["loader"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(scenarios) * len(loaders) / 3), 5))
-    width = 0.8 / len(loaders)
-    for i, ld in enumerate(loaders):
-        meds, los, his = [], [], []
-        for sc in scenarios:
-            v = [r["gbps"] for r in rows if r["scenario"] == sc and r["loader"] == ld] or [0.0]
-            m = statistics.median(v)
-            meds.append(m), los.append(m - min(v)), his.append(max(v) - m)
-        xs = [j + i * width for j in range(len(scenarios))]
-        ax.bar(xs, meds, width, yerr=[los, his], label=ld, capsize=2)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(scenarios))], scenarios, rotation=20)
-    ax.set_ylabel("GB/s (median, min-max)")
-    ax.set_title("Load throughput into a preallocated CPU model")
-    ax.legend(fontsize=8, ncol=2)
+    # Small multiples: a panel per scenario (a row per cache state, a column per checkpoint), each
+    # on its own scale, so the small-tensor checkpoints are as readable as the 8 GiB one.
+    kinds = list(dict.fromkeys(sc.split(" ", 1)[0] for sc in scenarios))
+    ckpts = list(dict.fromkeys(sc.split(" ", 1)[-1] for sc in scenarios))
+    colors = {ld: plt.get_cmap("tab10")(i % 10) for i, ld in enumerate(loaders)}
+    fig, axes = plt.subplots(
+        len(kinds), len(ckpts), figsize=(2.9 * len(ckpts) + 1.2, 0.25 * len(loaders) * len(kinds) + 1.6), squeeze=False
+    )
+    for row, kind in enumerate(kinds):
+        for col, ck in enumerate(ckpts):
+            ax, sc = axes[row][col], f"{kind} {ck}"
+            top = 0.0
+            for i, ld in enumerate(loaders):
+                v = [r["gbps"] for r in rows if r["scenario"] == sc and r["loader"] == ld]
+                if not v:
+                    continue
+                m = statistics.median(v)
+                top = max(top, max(v))
+                ax.barh(i, m, xerr=[[m - min(v)], [max(v) - m]], color=colors[ld], capsize=2, height=0.75)
+                ax.text(max(v), i, f" {m:.2f}" if m >= 0.1 else f" {m:.3f}", va="center", fontsize=7)
+            ax.set_xlim(0, top * 1.45 or 1)
+            ax.set_yticks(range(len(loaders)), loaders if col == 0 else [], fontsize=8)
+            ax.invert_yaxis()
+            ax.set_title(sc, fontsize=9)
+            ax.tick_params(axis="x", labelsize=7)
+            if row == len(kinds) - 1:
+                ax.set_xlabel("GB/s", fontsize=8)
+    fig.suptitle("Load throughput into a preallocated CPU model (median, min-max; each panel its own scale)")
     fig.tight_layout()
     made.append(out / "throughput.png")
-    fig.savefig(made[-1], dpi=110)
+    fig.savefig(made[-1], dpi=100)
     plt.close(fig)
 
     sized = [sc for sc in scenarios if sc.startswith("warm") and sc.endswith("GiB")]
     pick = max(sized, key=lambda sc: float(sc.split()[1][:-3])) if sized else scenarios[0]  # the largest
-    fig, ax = plt.subplots(figsize=(9, 5))
+    traces = {}
     for ld in loaders:
         r = next((r for r in rows if r["scenario"] == pick and r["loader"] == ld), None)
         if r and r.get("mem_trace"):
-            ax.plot([t for t, _, _ in r["mem_trace"]], [rss / 2**20 for _, _, rss in r["mem_trace"]], label=ld)
-    ax.set_xlabel("seconds into the load")
-    ax.set_ylabel("RSS over baseline, MiB")
-    ax.set_title(f"Memory during one load ({pick})")
-    ax.legend(fontsize=8)
+            traces[ld] = ([t for t, _, _ in r["mem_trace"]], [rss / 2**20 for _, _, rss in r["mem_trace"]])
+    # Two panels: every loader over its whole load, and the fast ones (done within twice aload's
+    # time) on their own time scale, where the slow loaders' seconds would squeeze them flat.
+    fast_end = 2 * max(traces["aload"][0][-1], 0.05) if "aload" in traces else None
+    fast = {ld: tr for ld, tr in traces.items() if fast_end is not None and tr[0][-1] <= fast_end}
+    panels = [("every loader", traces)] + ([("the fast ones, zoomed", fast)] if 1 < len(fast) < len(traces) else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for ax, (title, shown) in zip(axes[0], panels, strict=True):
+        for ld, (ts, mib) in shown.items():
+            ax.plot(ts, mib, label=f"{ld} (peak {max(mib):.0f} MiB)", color=colors[ld])
+        ax.set_xlabel("seconds into the load")
+        ax.set_ylabel("RSS over baseline, MiB")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Memory during one load ({pick})")
     fig.tight_layout()
     made.append(out / "memory.png")
     fig.savefig(made[-1], dpi=110)
