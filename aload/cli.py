@@ -114,9 +114,32 @@ async def _load(args: argparse.Namespace) -> int:
 builtins_open = builtins.open  # `open` here is aload.open
 
 
+_UNITS = {"k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def _size(text: str) -> int:
+    """ "512m", "1g", "64k" (KiB, MiB, GiB) or plain bytes -> bytes."""
+    t = text.strip().lower()
+    try:
+        n = int(float(t[:-1]) * _UNITS[t[-1]]) if t and t[-1] in _UNITS else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or a number ending in k, m or g)") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
+    return n
+
+
 def _sizes(text: str) -> list[int]:
     """ "128m,1048576" -> bytes."""
-    return [int(float(x[:-1]) * 2**20) if x.lower().endswith("m") else int(x) for x in text.split(",")]
+    return [_size(x) for x in text.split(",")]
+
+
+def _human(n: int) -> str:
+    """The shortest exact spelling ``_size`` reads back: 536870912 -> "512m"."""
+    for suffix, unit in (("g", 2**30), ("m", 2**20), ("k", 2**10)):
+        if n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
 
 
 async def _bench(args: argparse.Namespace) -> int:
@@ -128,9 +151,9 @@ async def _bench(args: argparse.Namespace) -> int:
     if args.sweep:
         rows = await sweep(
             args.path,
-            budgets=_sizes(args.budget_sweep),
+            budgets=args.budget_sweep,
             concurrencies=[int(x) for x in args.concurrency_sweep.split(",")],
-            chunks=_sizes(args.chunk_sweep),
+            chunks=args.chunk_sweep,
             **options,
         )
         for r in rows:
@@ -140,8 +163,8 @@ async def _bench(args: argparse.Namespace) -> int:
             )
         best = rows[0]
         print(
-            f"best here: --budget {best['max_inflight_bytes']} --concurrency {best['concurrency']} "
-            f"--chunk-bytes {best['chunk_bytes']} ({best['gbps']:.2f} GB/s)"
+            f"best here: --budget {_human(best['max_inflight_bytes'])} --concurrency {best['concurrency']} "
+            f"--chunk-bytes {_human(best['chunk_bytes'])} ({best['gbps']:.2f} GB/s)"
         )
     else:
         rows = []
@@ -180,9 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     p_load.add_argument("path")
     p_load.add_argument("--model", help="module:callable returning the nn.Module to load into")
     p_load.add_argument("--non-strict", action="store_true", help="report missing/unexpected names instead of failing")
-    p_load.add_argument("--budget", type=int, default=DEFAULT_MAX_INFLIGHT_BYTES, help="max bytes in flight")
+    p_load.add_argument(
+        "--budget", type=_size, default=DEFAULT_MAX_INFLIGHT_BYTES, help="max bytes in flight (bytes, or 512m, 1g)"
+    )
     p_load.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY)
-    p_load.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    p_load.add_argument("--chunk-bytes", type=_size, default=DEFAULT_CHUNK_BYTES)
     p_load.add_argument("--json", action="store_true")
     p_load.add_argument("--verify", metavar="MANIFEST", help=_VERIFY_HELP)
     p_load.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -190,14 +215,18 @@ def main(argv: list[str] | None = None) -> int:
         "bench", help="measure streaming your checkpoint: throughput, first tensor, memory, loop lateness"
     )
     p_bench.add_argument("path")
-    p_bench.add_argument("--budget", type=int, default=DEFAULT_MAX_INFLIGHT_BYTES, help="max bytes in flight")
+    p_bench.add_argument(
+        "--budget", type=_size, default=DEFAULT_MAX_INFLIGHT_BYTES, help="max bytes in flight (bytes, or 512m, 1g)"
+    )
     p_bench.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY)
-    p_bench.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    p_bench.add_argument("--chunk-bytes", type=_size, default=DEFAULT_CHUNK_BYTES)
     p_bench.add_argument("--read", choices=("map", "pread"), help="local files: how to read (default map)")
     p_bench.add_argument("--sweep", action="store_true", help="try the grid below and report which setting did best")
-    p_bench.add_argument("--budget-sweep", default="128m,512m", help="budgets to try (bytes, or NNm for MiB)")
+    p_bench.add_argument(
+        "--budget-sweep", type=_sizes, default="128m,512m", help="budgets to try (bytes, or NNk/NNm/NNg)"
+    )
     p_bench.add_argument("--concurrency-sweep", default="1,2,4,8")
-    p_bench.add_argument("--chunk-sweep", default="4m,16m,64m")
+    p_bench.add_argument("--chunk-sweep", type=_sizes, default="4m,16m,64m")
     p_bench.add_argument("--verify", metavar="MANIFEST", help=_VERIFY_HELP)
     p_bench.add_argument("--repeat", type=int, default=1, help="stream it this many times in one process")
     p_bench.add_argument("--json", help="write the row(s) here, one JSON object per line")

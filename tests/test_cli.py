@@ -77,7 +77,19 @@ def test_bench_sweep_reports_the_best_setting(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4 and rows[0]["gbps"] == max(r["gbps"] for r in rows)
-    assert "best here: --budget 1048576" in done.stdout
+    assert "best here: --budget 1m --concurrency" in done.stdout  # in the units --budget reads back
+    assert " --chunk-bytes 1m " in done.stdout or " --chunk-bytes 4k " in done.stdout
+
+
+def test_sizes_read_as_a_user_writes_them(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"t": torch.randn(64, 64)}, str(path))
+    row = json.loads(run("load", str(path), "--json", "--budget", "2m", "--chunk-bytes", "64k").stdout)
+    assert row["tensors"] == 1
+    done = run("bench", str(path), "--budget", "lots")
+    assert done.returncode == 2 and "not a size: 'lots'" in done.stderr and "Traceback" not in done.stderr
+    done = run("bench", str(path), "--sweep", "--chunk-sweep", "4m,0")
+    assert done.returncode == 2 and "not a positive size" in done.stderr
 
 
 def test_load_and_bench_verify_a_manifest(tmp_path: Path) -> None:
