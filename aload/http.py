@@ -239,6 +239,14 @@ def _tls_context(ca_bundle: str | None) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=ca_bundle)
 
 
+def _proxy_args(url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """aiohttp's arguments for ``url``: ``headers``, and the proxy the environment names for it
+    (``wire.proxy_for``), credentials in its URL included (aiohttp sends them to the proxy alone,
+    on the request or on the ``CONNECT``). The same proxy then serves every redirect of it."""
+    proxy = wire.proxy_for(url)
+    return {"headers": headers} if proxy is None else {"headers": headers, "proxy": proxy}
+
+
 class HttpStore(Store):
     """A checkpoint behind HTTP(S). Options: ``headers`` (added to every request), ``token``
     (a bearer token; ``HF_TOKEN`` is used for huggingface.co), ``timeout`` (seconds without
@@ -271,7 +279,8 @@ class HttpStore(Store):
         if token:
             self._headers.setdefault("Authorization", f"Bearer {token}")
         # What must never be printed: header values, the query string, a password in the URL.
-        values = (*self._headers.values(), token, parts.query, parts.password)
+        proxy = wire.proxy_for(self._base)
+        values = (*self._headers.values(), token, parts.query, parts.password, urlsplit(proxy or "").password)
         values += tuple(v.removeprefix("Bearer ") for v in self._headers.values())  # a token given as a header
         self._secrets = sorted({v for v in values if v and len(v) >= 4}, key=len, reverse=True)
         self._session: aiohttp.ClientSession | None = None
@@ -312,7 +321,7 @@ class HttpStore(Store):
                 finally:
                     client.release(resp)
                 return
-        async with self.session().get(url, headers=headers) as plain:
+        async with self.session().get(url, **_proxy_args(url, headers)) as plain:
             yield plain
 
     def session(self) -> aiohttp.ClientSession:
@@ -351,7 +360,7 @@ class HttpStore(Store):
         for attempt in range(self.retries):
             await backoff(attempt)
             try:
-                async with self.session().get(url) as resp:
+                async with self.session().get(url, **_proxy_args(url)) as resp:
                     if resp.status == 404:
                         return None
                     if resp.status in RETRY_STATUS:

@@ -10,7 +10,8 @@ aload into a model went from 0.98 to 1.34-1.39 GB/s (``benchmarks/remote.py``).
 Only what aload's ranged reads need: GET, keep-alive connections per origin, TLS, redirects,
 interim answers skipped, a password in the URL as Basic authorization, a deadline on progress.
 A response this module does not read (no ``Content-Length``, a chunked or encoded body) raises
-``Unsupported`` and the caller asks again through aiohttp.
+``Unsupported`` and the caller asks again through aiohttp; so does a URL the environment sends
+through a proxy (``proxy_for``): this module connects only directly.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import base64
 import ssl
 import time
+import urllib.request
 from typing import Any
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
@@ -42,6 +44,16 @@ class WireError(Exception):
 
 class Unsupported(Exception):
     """A response this module does not read (see the module's docstring)."""
+
+
+def proxy_for(url: str) -> str | None:
+    """The proxy the environment names for ``url``: ``http_proxy`` or ``https_proxy`` by the
+    URL's scheme, unless ``no_proxy`` covers its host (as curl and aiohttp read them); or None."""
+    parts = urlsplit(url)
+    proxy = urllib.request.getproxies().get(parts.scheme.lower())
+    if not proxy or urllib.request.proxy_bypass(parts.hostname or ""):
+        return None
+    return proxy
 
 
 class Headers(dict[str, str]):
@@ -275,6 +287,7 @@ class Client:
         self._timeout = timeout
         self._ssl = ssl_context
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._proxied: dict[tuple[str, str, int], bool] = {}  # per origin, looked up once
         self._closed = False
 
     async def open(self, url: str, headers: dict[str, str]) -> Response:
@@ -322,6 +335,11 @@ class Client:
     async def _once(self, url: str, headers: dict[str, str]) -> Response:
         parts = urlsplit(url)
         origin = _origin(url)
+        proxied = self._proxied.get(origin)
+        if proxied is None:
+            proxied = self._proxied[origin] = proxy_for(url) is not None
+        if proxied:  # a redirect's target too
+            raise Unsupported(f"the environment names a proxy for {origin[0]}://{origin[1]}")
         # As a browser sends it: spaces, control and non-ASCII characters percent-encoded (UTF-8),
         # escapes already there kept. A name from an index never reaches the request line raw.
         target = quote((parts.path or "/") + (f"?{parts.query}" if parts.query else ""), safe=_URL_SAFE)

@@ -8,7 +8,8 @@ tests; it misbehaves on request.
 200 with the whole object), "bad-range" (a Content-Range off by one), "trickle" (send slower than
 any sane timeout), "replace" (serve the object's replacement from now on: new bytes, new ETag),
 "redirect" (307 to the same name under ``redirect_base``, this server if unset), "chunked" (the
-ranged body with chunked transfer encoding, no Content-Length).
+ranged body with chunked transfer encoding, no Content-Length). ``ForwardProxy`` is a forward
+proxy on 127.0.0.1, for ``http_proxy``/``https_proxy``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -108,6 +110,76 @@ class FileServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._runner.cleanup()
+
+
+@dataclass
+class ForwardProxy:
+    """A forward proxy on 127.0.0.1, as ``http_proxy``/``https_proxy`` name one: absolute-form
+    requests for ``http://`` targets (one per connection: it asks the origin to close after the
+    answer) and ``CONNECT`` tunnels for ``https://``. ``requests`` records (method, target);
+    ``auth``, if set, is the ``Proxy-Authorization`` every request must carry (else 407)."""
+
+    requests: list[tuple[str, str]] = field(default_factory=list)
+    auth: str | None = None
+    url: str = ""
+    _server: Any = None
+    _tasks: set[Any] = field(default_factory=set)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)  # type: ignore[union-attr]
+        up: asyncio.StreamWriter | None = None
+        try:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+            line, *fields = head.split("\r\n")
+            method, target, version = line.split(" ", 2)
+            self.requests.append((method, target))
+            given = [f.split(":", 1)[1].strip() for f in fields if f.lower().startswith("proxy-authorization:")]
+            if self.auth is not None and given != [self.auth]:
+                writer.write(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n")
+                return
+            if method == "CONNECT":
+                host, port = target.rsplit(":", 1)
+                up_r, up = await asyncio.open_connection(host, int(port))
+                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            else:
+                parts = urlsplit(target)
+                up_r, up = await asyncio.open_connection(parts.hostname, parts.port or 80)
+                path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+                kept = [f for f in fields if f and not f.lower().startswith(("proxy-", "connection:"))]
+                up.write(
+                    "\r\n".join([f"{method} {path} {version}", *kept, "Connection: close", "", ""]).encode("latin-1")
+                )
+            await asyncio.gather(_pipe(reader, up), _pipe(up_r, writer))
+        except (OSError, ValueError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            for w in (up, writer):
+                if w is not None:
+                    w.close()
+
+    async def __aenter__(self) -> ForwardProxy:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+
+
+async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    try:
+        while data := await src.read(1 << 16):
+            dst.write(data)
+            await dst.drain()
+    finally:
+        if dst.can_write_eof() and not dst.is_closing():
+            dst.write_eof()
 
 
 def main() -> None:

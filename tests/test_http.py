@@ -467,3 +467,70 @@ async def test_a_server_that_is_not_http_gets_a_named_error(answer: bytes, messa
         await server.wait_closed()
     assert "model.safetensors" in str(info.value) and "bytes" in str(info.value)
     assert any(message in r for r in records), records
+
+
+_PROXY_VARS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY")
+
+
+async def test_a_proxy_from_the_environment_carries_every_request(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With ``http_proxy`` set every request goes through the proxy (through aiohttp: ``aload.wire``
+    connects only directly), with the credentials in the proxy's URL, never printed; ``no_proxy``
+    covering the host sends them straight again."""
+    import base64
+
+    from examples.range_server import ForwardProxy
+
+    for name in _PROXY_VARS:
+        monkeypatch.delenv(name, raising=False)
+    local = await collect(aload.stream(folder))
+    secret = "p@ss w0rd"
+    async with (
+        FileServer() as srv,
+        ForwardProxy(auth="Basic " + base64.b64encode(f"me:{secret}".encode()).decode()) as proxy,
+    ):
+        srv.add_folder(folder)
+        monkeypatch.setenv("HTTP_PROXY", proxy.url.replace("http://", "http://me:p%40ss%20w0rd@"))
+        remote = await collect(aload.stream(srv.url, chunk_bytes=MiB))
+        through, served = list(proxy.requests), len(srv.requests)
+        monkeypatch.setenv("HTTP_PROXY", proxy.url.replace("http://", "http://me:wrong-p4ss@"))
+        with pytest.raises(aload.SourceError, match="407") as info:
+            await aload.open(srv.url)
+        assert "wrong-p4ss" not in str(info.value) and "wrong-p4ss" not in caplog.text
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        proxy.requests.clear()
+        again = await collect(aload.stream(srv.url, chunk_bytes=MiB))
+    assert all(torch.equal(remote[k], local[k]) and torch.equal(again[k], local[k]) for k in local)
+    assert len(through) == served >= 5  # the index, a probe per shard, the data
+    assert all(m == "GET" and t.startswith(srv.url + "/") for m, t in through)
+    assert proxy.requests == []  # no_proxy: straight to the server
+
+
+async def test_https_through_a_proxy_tunnel(
+    tmp_path: Path, write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``https_proxy``: a CONNECT tunnel per connection (the proxy's credentials on it), TLS to the
+    origin inside it, with the given CA."""
+    import ssl
+
+    import trustme
+
+    from examples.range_server import ForwardProxy
+
+    for name in _PROXY_VARS:
+        monkeypatch.delenv(name, raising=False)
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    tensors = {f"t{i}": torch.randn(256, 1024) for i in range(4)}
+    path = write(tensors)
+    async with FileServer(ssl=server_ctx) as srv, ForwardProxy(auth="Basic bWU6c2VjcmV0") as proxy:  # me:secret
+        srv.files["model.safetensors"] = path.read_bytes()
+        monkeypatch.setenv("HTTPS_PROXY", proxy.url.replace("http://", "http://me:secret@"))
+        got = await collect(aload.stream(srv.url + "/model.safetensors", ca_bundle=str(ca_file), chunk_bytes=MiB))
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    host = srv.url.removeprefix("https://")
+    assert proxy.requests and all(r == ("CONNECT", host) for r in proxy.requests)

@@ -236,3 +236,26 @@ def test_preload_imports_the_clients_and_loads_the_s3_models() -> None:
     aload.preload()  # every scheme
     with pytest.raises(aload.UsageError, match="gopher"):
         aload.preload("gopher")
+
+
+async def test_a_proxy_from_the_environment_carries_every_call(
+    s3: dict[str, Any], sharded: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``http_proxy`` set for the endpoint, the calls and the data reads all go through the
+    proxy (the data through aiobotocore: ``aload.wire`` connects only directly)."""
+    from examples.range_server import ForwardProxy
+
+    tensors = llama_like(hidden=256)
+    folder = sharded(tensors, 3)
+    upload(s3["client"], folder, "proxied")  # before the proxy is named: boto3 here is blocking
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    async with ForwardProxy() as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        got = await collect(aload.stream(f"s3://{BUCKET}/proxied/", chunk_bytes=1 << 16, **s3["opts"]))
+    assert set(got) == set(tensors) and all(torch.equal(got[k], v) for k, v in tensors.items())
+    endpoint = s3["opts"]["endpoint_url"]
+    shards = {p.name for p in folder.glob("*.safetensors")}
+    read = [t for m, t in proxy.requests if m == "GET" and t.rsplit("/", 1)[-1].split("?")[0] in shards]
+    assert all(t.startswith(f"{endpoint}/{BUCKET}/proxied/") for m, t in proxy.requests)
+    assert len(read) > 2 * len(shards)  # a probe per shard and the ranged data reads
