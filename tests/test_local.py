@@ -194,6 +194,51 @@ async def test_whether_each_shard_is_cached_is_worked_out_off_the_event_loop(
     assert not any(on_loop for _, on_loop in decided), decided
 
 
+@pytest.mark.parametrize("how", ["cachestat", "mincore"])
+async def test_what_the_page_cache_holds_decides_and_a_cold_file_is_never_mapped(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """``cachestat(2)`` (Linux 6.5+) says how much of a file the page cache holds without mapping
+    it, so a file read from the disk is never mapped; where the kernel or a seccomp filter refuses
+    the call, ``mincore`` over a mapping of the file says it instead. A file partly cached counts
+    as on disk."""
+    from aload import sources
+
+    if how == "mincore":
+        monkeypatch.setattr(sources, "_cachestat_ok", False)
+    mapped: list[str] = []
+    real = sources._map_private
+    monkeypatch.setattr(sources, "_map_private", lambda fd, size, url: mapped.append(url) or real(fd, size, url))
+    tensors = {f"w{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB
+    path = write(tensors)
+    path.read_bytes()
+    if not cached(path):
+        pytest.skip("the file did not stay in the page cache")
+    if how == "cachestat":
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if sources._cache_share(fd, path.stat().st_size) is None:
+                pytest.skip("no cachestat(2) here")
+        finally:
+            os.close(fd)
+    async with opened(path) as src:
+        assert src._cached()
+    fd = os.open(path, os.O_RDONLY)
+    try:  # the second half out of the cache, the first still in
+        os.fsync(fd)
+        os.posix_fadvise(fd, path.stat().st_size // 2, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    async with opened(path) as src:
+        assert not src._cached()
+    cold(path)
+    mapped.clear()
+    async with aload.stream(path, chunk_bytes=MiB) as s:
+        got = {name: t.clone() async for name, t in s}
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert mapped == ([] if how == "cachestat" else [str(path)])  # mincore needs a mapping to ask
+
+
 async def test_run_all_finishes_every_call_then_raises_the_first_error() -> None:
     pool = IOPool(3)
     ran: list[int] = []
