@@ -10,10 +10,8 @@ aload into a model went from 0.98 to 1.34-1.39 GB/s (``benchmarks/remote.py``).
 Only what aload's ranged reads need: GET, keep-alive connections per origin, TLS, redirects,
 interim answers skipped, a password in the URL as Basic authorization, a deadline on progress.
 A response this module does not read (no ``Content-Length``, a chunked or encoded body) raises
-``Unsupported`` and the caller asks again through aiohttp. A URL the environment sends through
-an ``http://`` proxy (``proxy_for``) goes to it: absolute-form requests for ``http://`` origins,
-a ``CONNECT`` tunnel with TLS inside it for ``https://`` ones; a proxy reached over TLS is
-``Unsupported``.
+``Unsupported`` and the caller asks again through aiohttp; so does a URL the environment sends
+through a proxy (``proxy_for``): this module connects only directly.
 """
 
 from __future__ import annotations
@@ -153,10 +151,6 @@ class _Connection(asyncio.BufferedProtocol):
         return None  # close
 
     # -- the caller's side ------------------------------------------------------------------
-    def early_body(self) -> bool:
-        """Whether bytes came after the last response's head (none may, after a ``CONNECT``)."""
-        return self._seen > self._head_end + 4 or bool(self._extra)
-
     async def request(self, data: bytes) -> tuple[int, str, Headers]:
         assert self._transport is not None and self._view is None
         self._seen, self._head_end, self.received, self._extra, self._spill = 0, -1, 0, [], None
@@ -255,7 +249,6 @@ class Response:
 
     def __init__(self, conn: _Connection, url: str, status: int, reason: str, headers: Headers) -> None:
         self._conn = conn
-        self._key = _origin(url)  # the pool its connection goes back to
         self.url = url
         self.status, self.reason, self.headers = status, reason, headers
         self.done = False
@@ -286,38 +279,15 @@ class Response:
         return bytes(buf)
 
 
-class _Proxy:
-    """Where the environment sends an origin's requests: an ``http://`` proxy's host, port and
-    ``Proxy-Authorization`` (from credentials in its URL)."""
-
-    __slots__ = ("auth", "host", "port")
-
-    def __init__(self, host: str, port: int, auth: str | None) -> None:
-        self.host, self.port, self.auth = host, port, auth
-
-    @classmethod
-    def parse(cls, proxy: str | None, origin: tuple[str, str, int]) -> _Proxy | None:
-        if proxy is None:
-            return None
-        parts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-        if parts.scheme.lower() != "http" or not parts.hostname:  # TLS to the proxy itself: not here
-            raise Unsupported(f"the environment names a {parts.scheme} proxy for {origin[0]}://{origin[1]}")
-        auth = None
-        if parts.username is not None:
-            user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
-            auth = "Basic " + base64.b64encode(user.encode()).decode()
-        return cls(parts.hostname, parts.port or 80, auth)
-
-
 class Client:
-    """Keep-alive connections per origin (or per proxy), at most ``limit`` requests at once."""
+    """Keep-alive connections per origin, at most ``limit`` requests at once."""
 
     def __init__(self, *, limit: int, timeout: float, ssl_context: ssl.SSLContext | None = None) -> None:
         self._gate = asyncio.Semaphore(limit)
         self._timeout = timeout
         self._ssl = ssl_context
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
-        self._routes: dict[tuple[str, str, int], _Proxy | None] = {}  # per origin, looked up once
+        self._proxied: dict[tuple[str, str, int], bool] = {}  # per origin, looked up once
         self._closed = False
 
     async def open(self, url: str, headers: dict[str, str]) -> Response:
@@ -344,7 +314,7 @@ class Client:
         conn = resp._conn
         keep = not self._closed and resp.done and not conn.closed
         if keep and resp.headers.get("Connection", "").lower() != "close":
-            self._idle.setdefault(resp._key, []).append(conn)
+            self._idle.setdefault(_origin(resp.url), []).append(conn)
         else:
             conn.close()
         self._gate.release()
@@ -365,9 +335,11 @@ class Client:
     async def _once(self, url: str, headers: dict[str, str]) -> Response:
         parts = urlsplit(url)
         origin = _origin(url)
-        if origin not in self._routes:  # a redirect's target too
-            self._routes[origin] = _Proxy.parse(proxy_for(url), origin)
-        via = self._routes[origin]
+        proxied = self._proxied.get(origin)
+        if proxied is None:
+            proxied = self._proxied[origin] = proxy_for(url) is not None
+        if proxied:  # a redirect's target too
+            raise Unsupported(f"the environment names a proxy for {origin[0]}://{origin[1]}")
         # As a browser sends it: spaces, control and non-ASCII characters percent-encoded (UTF-8),
         # escapes already there kept. A name from an index never reaches the request line raw.
         target = quote((parts.path or "/") + (f"?{parts.query}" if parts.query else ""), safe=_URL_SAFE)
@@ -381,20 +353,14 @@ class Client:
         if parts.username is not None and not any(k.lower() == "authorization" for k in headers):
             user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
             headers = {**headers, "Authorization": "Basic " + base64.b64encode(user.encode()).decode()}
-        key = origin
-        if via is not None and origin[0] == "http":  # absolute-form, on a connection to the proxy
-            target = f"http://{host_header}{target}"
-            key = ("http-proxy", via.host, via.port)
-            if via.auth:
-                headers = {**headers, "Proxy-Authorization": via.auth}
         lines = [f"GET {target} HTTP/1.1", f"Host: {host_header}", "User-Agent: aload"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-        conn = self._take(key)
+        conn = self._take(origin)
         fresh = conn is None
         while True:
             if conn is None:
-                conn = await self._connect(origin, via)
+                conn = await self._connect(origin)
             try:
                 status, reason, head = await conn.request(data)
             except WireError:
@@ -402,9 +368,7 @@ class Client:
                     raise
                 conn, fresh = None, True  # a kept connection the server had closed: once more, new
                 continue
-            resp = Response(conn, url, status, reason, head)
-            resp._key = key
-            return resp
+            return Response(conn, url, status, reason, head)
 
     def _take(self, origin: tuple[str, str, int]) -> _Connection | None:
         idle = self._idle.get(origin)
@@ -414,9 +378,7 @@ class Client:
                 return conn
         return None
 
-    async def _connect(self, origin: tuple[str, str, int], via: _Proxy | None) -> _Connection:
-        """A connection for ``origin``: direct; to the proxy, for an ``http://`` origin; or
-        through a ``CONNECT`` tunnel the proxy opens to an ``https://`` origin, TLS inside it."""
+    async def _connect(self, origin: tuple[str, str, int]) -> _Connection:
         scheme, host, port = origin
         tls: Any = None
         if scheme == "https":
@@ -424,34 +386,17 @@ class Client:
                 self._ssl = ssl.create_default_context()
             tls = self._ssl
         loop = asyncio.get_running_loop()
-        at = (host, port) if via is None else (via.host, via.port)
         try:
-            transport, conn = await asyncio.wait_for(
+            _, conn = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: _Connection(self._timeout),
-                    *at,
-                    ssl=tls if via is None else None,
-                    server_hostname=host if tls is not None and via is None else None,
+                    lambda: _Connection(self._timeout), host, port, ssl=tls, server_hostname=host if tls else None
                 ),
                 self._timeout,
             )
-            if via is not None and tls is not None:
-                authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-                lines = [f"CONNECT {authority} HTTP/1.1", f"Host: {authority}"]
-                lines += [f"Proxy-Authorization: {via.auth}"] if via.auth else []
-                status, reason, _ = await conn.request(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-                if status != 200 or conn.early_body():
-                    conn.close()
-                    raise WireError(f"the proxy answered {status} {reason} to CONNECT {authority}")
-                tunnel = await asyncio.wait_for(
-                    loop.start_tls(transport, conn, tls, server_hostname=host), self._timeout
-                )
-                assert tunnel is not None
-                conn.connection_made(tunnel)
         except ssl.SSLError:
             raise  # the caller names it: a certificate not trusted is not worth another attempt
         except OSError as exc:
-            raise WireError(f"cannot connect to {at[0]}:{at[1]}: {exc}") from exc
+            raise WireError(f"cannot connect to {host}:{port}: {exc}") from exc
         return conn
 
     def close(self) -> None:
