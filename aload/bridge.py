@@ -118,6 +118,11 @@ class SyncBridge(Iterator[Pair]):
                 self.error = exc
             raise
         finally:
+            if reader is not None:
+                # The probe refers to this bridge, which refers to the stream and its reader: a
+                # cycle that kept a load's plan (two tracked objects per tensor) alive until the
+                # next full collection.
+                reader.starving = None
             with self._cond:
                 self._done = True
                 self._cond.notify_all()

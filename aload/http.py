@@ -384,6 +384,7 @@ class HttpStore(Store):
         raise SourceError(f"gave up after {self.retries} attempts", url=redact(url))
 
     async def aclose(self) -> None:
+        self._sources.clear()  # each refers back to this store: no cycle left for the collector
         if self._wire is not None:
             self._wire.close()
             self._wire = None

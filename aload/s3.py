@@ -454,6 +454,7 @@ class S3Store(Store):
 
     async def aclose(self) -> None:
         self._presigned.clear()
+        self._sources.clear()  # each refers back to this store: no cycle left for the collector
         if self._wire is not None:
             self._wire.close()
             self._wire = None

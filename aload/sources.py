@@ -372,9 +372,20 @@ def _map_private(fd: int, size: int, url: str) -> np.ndarray[Any, Any]:
     if addr in (None, ctypes.c_void_p(-1).value):
         err = ctypes.get_errno()
         raise SourceError(f"cannot map: {os.strerror(err)}", url=url)
-    arr = np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(addr))
-    weakref.finalize(arr, _libc.munmap, addr, size)
+    # Through the array interface, not a ctypes array: ``c_ubyte * size`` made a new ctypes type
+    # per mapping, and types are cyclic garbage, left for the next full collection.
+    arr = np.asarray(_Memory(addr, size))
+    weakref.finalize(arr, _libc.munmap, addr, size)  # views of it keep it (their .base) alive
     return arr
+
+
+class _Memory:
+    """``size`` bytes at ``addr``, writable, for ``np.asarray``."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, addr: int, size: int) -> None:
+        self.__array_interface__ = {"data": (addr, False), "shape": (size,), "typestr": "|u1", "version": 3}
 
 
 class _CacheRange(ctypes.Structure):

@@ -259,3 +259,25 @@ async def test_a_proxy_from_the_environment_carries_every_call(
     read = [t for m, t in proxy.requests if m == "GET" and t.rsplit("/", 1)[-1].split("?")[0] in shards]
     assert all(t.startswith(f"{endpoint}/{BUCKET}/proxied/") for m, t in proxy.requests)
     assert len(read) > 2 * len(shards)  # a probe per shard and the ranged data reads
+
+
+def test_an_s3_load_leaves_nothing_for_the_cycle_collector(s3: dict[str, Any], sharded: Callable[..., Path]) -> None:
+    """As for local and HTTP loads (tests/test_load.py), in a fresh process: the store and its
+    sources are freed when the load ends, not left in a cycle for the next full collection."""
+    import subprocess
+    import sys
+
+    upload(s3["client"], sharded(llama_like(hidden=64), 2), "cycles")
+    code = (
+        "import asyncio, gc, sys, aload\n"
+        f"opts = {s3['opts']!r}\n"
+        "async def main():\n"
+        f"    async with aload.stream('s3://{BUCKET}/cycles/', **opts) as s:\n"
+        "        async for _ in s:\n"
+        "            pass\n"
+        "asyncio.run(main()); gc.collect(); gc.set_debug(gc.DEBUG_SAVEALL); asyncio.run(main()); gc.collect()\n"
+        "print(sorted({type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith('aload')}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
