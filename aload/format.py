@@ -8,10 +8,12 @@ implementation: the tensors, sorted by offset, tile the data area exactly.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import operator
 import re
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -131,6 +133,24 @@ def parse_header(raw: bytes, file_size: int, url: str) -> Header:
 
 
 _START, _END = operator.attrgetter("start"), operator.attrgetter("end")
+
+
+def _untracker() -> Any:
+    if sys.implementation.name != "cpython":
+        return None
+    fn = getattr(ctypes.pythonapi, "PyObject_GC_UnTrack", None)
+    if fn is not None:
+        fn.argtypes, fn.restype = (ctypes.py_object,), None
+    return fn
+
+
+#: ``untrack(obj)``: the cyclic garbage collector stops tracking ``obj`` (CPython's
+#: ``PyObject_GC_UnTrack``; None elsewhere). Only for immutable tuples of leaves (strings, numbers,
+#: tuples of them), which can be part of no cycle: each ``TensorSpec`` and plan ``Item``. CPython
+#: stops tracking exact tuples like these by itself, but not a NamedTuple's instances: a load of
+#: 20,000 tensors promoted ~40,000 of them to the oldest generation, and every ~4 such loads a full
+#: collection (157-204 ms here, holding the GIL) walked the whole process. ~0.3 us each.
+untrack = _untracker()
 #: ``_new_tuple(SomeNamedTuple, (fields...))`` makes one without the Python frame of its ``__new__``
 #: (headers and plans make tens of thousands).
 _new_tuple: Any = tuple.__new__
@@ -161,9 +181,9 @@ class _GcPause:
         what the parse made would otherwise be examined in one go when it does (40,000 objects on
         a 20,000-tensor header: 3.7-4.0 ms holding the GIL, 7 ms with the cores busy). Each small
         one examines what was made since the last (a decoded piece of JSON, or a slice of specs),
-        untracks the shape tuples and moves the rest up a generation, whose next collection
-        examines the specs once more (2.3-2.6 ms). Generation 0 only: a promotion to the oldest
-        generation would bring its full collection (100+ ms) nearer."""
+        untracks the shape tuples and moves the rest up a generation (the specs themselves are not
+        tracked: ``untrack``). Generation 0 only: a promotion to the oldest generation would bring
+        its full collection (100+ ms) nearer."""
         if self._depth and self._resume:
             gc.collect(0)
 
@@ -348,6 +368,8 @@ def _spec(name: str, entry: Any, url: str, data_start: int) -> TensorSpec:
             byte_range=(data_start + begin, data_start + end),
         )
     spec: TensorSpec = _new_tuple(TensorSpec, (name, dtype, tuple(shape), url, data_start + begin, data_start + end))
+    if untrack is not None:
+        untrack(spec)
     return spec
 
 

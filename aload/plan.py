@@ -17,7 +17,7 @@ import torch
 
 from ._threads import CHECK_EVERY, Pacer
 from .checkpoint import Checkpoint
-from .format import ITEMSIZE, TensorSpec, _new_tuple
+from .format import ITEMSIZE, TensorSpec, _new_tuple, untrack
 from .sources import Source
 
 #: Tensors smaller than this are read coalesced and copied even when their destination is known:
@@ -37,11 +37,8 @@ DestFn = Callable[[str, TensorSpec], "torch.Tensor | None"]
 
 
 class Item(NamedTuple):
-    """One tensor of a unit. The garbage collector tracks it for its whole life, as it does each
-    ``TensorSpec`` (CPython stops tracking exact tuples only, not a NamedTuple's): a plan of 20,000
-    tensors is ~40,000 objects promoted to the oldest generation during a load, which brings its
-    next full collection nearer (157-204 ms, every ~4 such loads in a process holding a model of
-    20,000 parameters). Plain tuples, or columns, would not be; not done."""
+    """One tensor of a unit: a tuple of leaves, which the garbage collector is told not to track
+    (``format.untrack``), as each ``TensorSpec``."""
 
     spec: TensorSpec
     name: str
@@ -104,7 +101,10 @@ def make_plan(
             nbytes += n
         target = dest(name, spec) if dest is not None and not skip and n >= DIRECT_MIN_BYTES else None
         if target is not None or n > chunk_bytes:
-            units.append(Unit(ckpt.source(spec), start, n, [_new_tuple(Item, (spec, name, 0, skip))], target))
+            item = _new_tuple(Item, (spec, name, 0, skip))
+            if untrack is not None:
+                untrack(item)
+            units.append(Unit(ckpt.source(spec), start, n, [item], target))
             group = None
             continue
         if (
@@ -119,7 +119,10 @@ def make_plan(
             g_start, g_shard = start, spec.shard
             limit = min(chunk_bytes, FIRST_GROUP_BYTES << groups)
             groups = min(groups + 1, 32)
-        group.items.append(_new_tuple(Item, (spec, name, start - g_start, skip)))
+        item = _new_tuple(Item, (spec, name, start - g_start, skip))
+        if untrack is not None:
+            untrack(item)
+        group.items.append(item)
         g_end = end
         group.nbytes = end - g_start
     return Plan(units, tensors, nbytes)
