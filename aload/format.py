@@ -15,6 +15,7 @@ import operator
 import re
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -135,17 +136,16 @@ def parse_header(raw: bytes, file_size: int, url: str) -> Header:
 _START, _END = operator.attrgetter("start"), operator.attrgetter("end")
 
 
-def _untracker() -> Any:
-    if sys.implementation.name != "cpython":
-        return None
-    fn = getattr(ctypes.pythonapi, "PyObject_GC_UnTrack", None)
-    if fn is not None:
-        fn.argtypes, fn.restype = (ctypes.py_object,), None
-    return fn
+def _untracker() -> Callable[[object], None]:
+    fn = getattr(ctypes.pythonapi, "PyObject_GC_UnTrack", None) if sys.implementation.name == "cpython" else None
+    if fn is None:
+        return lambda obj: None
+    fn.argtypes, fn.restype = (ctypes.py_object,), None
+    return fn  # type: ignore[no-any-return]
 
 
 #: ``untrack(obj)``: the cyclic garbage collector stops tracking ``obj`` (CPython's
-#: ``PyObject_GC_UnTrack``; None elsewhere). Only for immutable tuples of leaves (strings, numbers,
+#: ``PyObject_GC_UnTrack``; does nothing elsewhere). Only for immutable tuples of leaves (strings, numbers,
 #: tuples of them), which can be part of no cycle: each ``TensorSpec`` and plan ``Item``. CPython
 #: stops tracking exact tuples like these by itself, but not a NamedTuple's instances: a load of
 #: 20,000 tensors promoted ~40,000 of them to the oldest generation, and every ~4 such loads a full
@@ -368,8 +368,7 @@ def _spec(name: str, entry: Any, url: str, data_start: int) -> TensorSpec:
             byte_range=(data_start + begin, data_start + end),
         )
     spec: TensorSpec = _new_tuple(TensorSpec, (name, dtype, tuple(shape), url, data_start + begin, data_start + end))
-    if untrack is not None:
-        untrack(spec)
+    untrack(spec)
     return spec
 
 

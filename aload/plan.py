@@ -102,8 +102,7 @@ def make_plan(
         target = dest(name, spec) if dest is not None and not skip and n >= DIRECT_MIN_BYTES else None
         if target is not None or n > chunk_bytes:
             item = _new_tuple(Item, (spec, name, 0, skip))
-            if untrack is not None:
-                untrack(item)
+            untrack(item)
             units.append(Unit(ckpt.source(spec), start, n, [item], target))
             group = None
             continue
@@ -120,8 +119,7 @@ def make_plan(
             limit = min(chunk_bytes, FIRST_GROUP_BYTES << groups)
             groups = min(groups + 1, 32)
         item = _new_tuple(Item, (spec, name, start - g_start, skip))
-        if untrack is not None:
-            untrack(item)
+        untrack(item)
         group.items.append(item)
         g_end = end
         group.nbytes = end - g_start

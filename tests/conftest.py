@@ -206,3 +206,11 @@ def hf_llama(seed: int = 0, **overrides: Any) -> Any:
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**{**fields, **overrides})).eval()
+
+
+@pytest.fixture
+def proxy_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """``monkeypatch`` with no proxy variable set: a test names the proxy it means."""
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch

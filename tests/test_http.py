@@ -469,11 +469,8 @@ async def test_a_server_that_is_not_http_gets_a_named_error(answer: bytes, messa
     assert any(message in r for r in records), records
 
 
-_PROXY_VARS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY")
-
-
 async def test_a_proxy_from_the_environment_carries_every_request(
-    folder: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    folder: Path, proxy_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """With ``http_proxy`` set every request goes through the proxy (through aiohttp: ``aload.wire``
     connects only directly), with the credentials in the proxy's URL, never printed; ``no_proxy``
@@ -482,8 +479,6 @@ async def test_a_proxy_from_the_environment_carries_every_request(
 
     from examples.range_server import ForwardProxy
 
-    for name in _PROXY_VARS:
-        monkeypatch.delenv(name, raising=False)
     local = await collect(aload.stream(folder))
     secret = "p@ss w0rd"
     async with (
@@ -491,14 +486,14 @@ async def test_a_proxy_from_the_environment_carries_every_request(
         ForwardProxy(auth="Basic " + base64.b64encode(f"me:{secret}".encode()).decode()) as proxy,
     ):
         srv.add_folder(folder)
-        monkeypatch.setenv("HTTP_PROXY", proxy.url.replace("http://", "http://me:p%40ss%20w0rd@"))
+        proxy_env.setenv("HTTP_PROXY", proxy.url.replace("http://", "http://me:p%40ss%20w0rd@"))
         remote = await collect(aload.stream(srv.url, chunk_bytes=MiB))
         through, served = list(proxy.requests), len(srv.requests)
-        monkeypatch.setenv("HTTP_PROXY", proxy.url.replace("http://", "http://me:wrong-p4ss@"))
+        proxy_env.setenv("HTTP_PROXY", proxy.url.replace("http://", "http://me:wrong-p4ss@"))
         with pytest.raises(aload.SourceError, match="407") as info:
             await aload.open(srv.url)
         assert "wrong-p4ss" not in str(info.value) and "wrong-p4ss" not in caplog.text
-        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        proxy_env.setenv("NO_PROXY", "127.0.0.1")
         proxy.requests.clear()
         again = await collect(aload.stream(srv.url, chunk_bytes=MiB))
     assert all(torch.equal(remote[k], local[k]) and torch.equal(again[k], local[k]) for k in local)
@@ -508,7 +503,7 @@ async def test_a_proxy_from_the_environment_carries_every_request(
 
 
 async def test_https_through_a_proxy_tunnel(
-    tmp_path: Path, write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, write: Callable[..., Path], proxy_env: pytest.MonkeyPatch
 ) -> None:
     """``https_proxy``: a CONNECT tunnel per connection (the proxy's credentials on it), TLS to the
     origin inside it, with the given CA."""
@@ -518,8 +513,6 @@ async def test_https_through_a_proxy_tunnel(
 
     from examples.range_server import ForwardProxy
 
-    for name in _PROXY_VARS:
-        monkeypatch.delenv(name, raising=False)
     ca = trustme.CA()
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
@@ -529,7 +522,7 @@ async def test_https_through_a_proxy_tunnel(
     path = write(tensors)
     async with FileServer(ssl=server_ctx) as srv, ForwardProxy(auth="Basic bWU6c2VjcmV0") as proxy:  # me:secret
         srv.files["model.safetensors"] = path.read_bytes()
-        monkeypatch.setenv("HTTPS_PROXY", proxy.url.replace("http://", "http://me:secret@"))
+        proxy_env.setenv("HTTPS_PROXY", proxy.url.replace("http://", "http://me:secret@"))
         got = await collect(aload.stream(srv.url + "/model.safetensors", ca_bundle=str(ca_file), chunk_bytes=MiB))
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
     host = srv.url.removeprefix("https://")

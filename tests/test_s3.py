@@ -239,7 +239,7 @@ def test_preload_imports_the_clients_and_loads_the_s3_models() -> None:
 
 
 async def test_a_proxy_from_the_environment_carries_every_call(
-    s3: dict[str, Any], sharded: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+    s3: dict[str, Any], sharded: Callable[..., Path], proxy_env: pytest.MonkeyPatch
 ) -> None:
     """With ``http_proxy`` set for the endpoint, the calls and the data reads all go through the
     proxy (the data through aiobotocore: ``aload.wire`` connects only directly)."""
@@ -248,10 +248,8 @@ async def test_a_proxy_from_the_environment_carries_every_call(
     tensors = llama_like(hidden=256)
     folder = sharded(tensors, 3)
     upload(s3["client"], folder, "proxied")  # before the proxy is named: boto3 here is blocking
-    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY"):
-        monkeypatch.delenv(name, raising=False)
     async with ForwardProxy() as proxy:
-        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        proxy_env.setenv("HTTP_PROXY", proxy.url)
         got = await collect(aload.stream(f"s3://{BUCKET}/proxied/", chunk_bytes=1 << 16, **s3["opts"]))
     assert set(got) == set(tensors) and all(torch.equal(got[k], v) for k, v in tensors.items())
     endpoint = s3["opts"]["endpoint_url"]
