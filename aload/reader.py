@@ -296,7 +296,7 @@ class Reader:
 
     def _mappable(self, unit: Unit) -> bool:
         # Pinned buffers are what a GPU copies from asynchronously; a mapped file is not pinned.
-        return not self._pin and unit.source.maps()
+        return not self._pin and unit.source.maps(unit.start, unit.nbytes)
 
     def _buffered(self, unit: Unit) -> bool:
         """Whether ``unit`` is read into a leased buffer (the read-ahead window counts those)."""
@@ -384,7 +384,7 @@ class Reader:
             buf = _byte_view(target)
         del lease
         buffered = self._buffered(unit)
-        piece = self._chunk if buf is None else unit.source.piece_bytes(self._chunk)
+        piece = self._chunk if buf is None else unit.source.piece_bytes(self._chunk, unit.start, unit.nbytes)
         await asyncio.gather(*(self._read_chunk(unit, buf, off, n, buffered) for off, n in unit.chunks(piece)))
         if unit.dest is not None:
             self.stats.direct_bytes += unit.nbytes

@@ -11,7 +11,9 @@ min-max) and PNG plots (throughput per scenario; memory over time for one load o
 Every loader delivers every tensor into a preallocated, already touched model (a ``copy_``, as
 ``load_weights`` does), so lazy loaders are not credited for bytes never touched. Blocking loaders
 run in ``asyncio.to_thread`` inside an asyncio app, as a serving frontend would have to, so the
-event-loop lateness is comparable. Cold = fsync + POSIX_FADV_DONTNEED on every shard before a run.
+event-loop lateness is comparable. Cold = fsync + POSIX_FADV_DONTNEED on every shard before a run;
+partial = warm, then the first 10% of each shard dropped from the page cache (``--scenarios
+warm,cold,partial``), as on a host where other work evicted part of the checkpoint.
 """
 
 from __future__ import annotations
@@ -158,6 +160,18 @@ def drop_cache(folder: Path) -> None:
         os.close(fd)
 
 
+#: "partial": warm, then this share of each shard dropped from the page cache, from its start (a
+#: file read in order loses its oldest pages first), as on a host where other work evicted some.
+PARTIAL_EVICT = 0.1
+
+
+def evict_head(folder: Path, share: float = PARTIAL_EVICT) -> None:
+    for p in shards(folder):
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, int(os.fstat(fd).st_size * share), os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
 def cached_fraction(folder: Path) -> float:
     """The share of the checkpoint's pages in the page cache (mincore), recorded with each row."""
     import mmap
@@ -257,6 +271,8 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
     # checkpoint's pages (read once, so first in line) were partly evicted to make room for the
     # 8 GiB model, and "warm" runs were part cold (all loaders ~7 GB/s instead of ~10).
     drop_cache(folder) if scenario == "cold" else warm_cache(folder)
+    if scenario == "partial":
+        evict_head(folder)
     cached = cached_fraction(folder)
     first: list[float] = []
 

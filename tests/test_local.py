@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 import aload
-from aload.sources import DIRECT_PIECE_BYTES, WARM_PIECE_BYTES, IOPool, LocalSource, _all_cached
+from aload.sources import DIRECT_PIECE_BYTES, WARM_PIECE_BYTES, IOPool, LocalSource, _all_cached, _libc
 
 from .conftest import llama_like
 
@@ -38,6 +38,17 @@ def drop_cache(path: Path) -> None:
 
 def cached(path: Path) -> bool:
     return _all_cached(np.memmap(path, mode="r"))
+
+
+def resident(path: Path, lo: int, hi: int) -> float:
+    """The share of the pages of bytes ``lo``..``hi`` of ``path`` in the page cache (mincore)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = lo // page, -(-hi // page)
+    m = np.memmap(path, mode="r")
+    vec = np.zeros(last - first, dtype=np.uint8)
+    assert _libc is not None
+    assert _libc.mincore(m.ctypes.data + first * page, min(hi, m.nbytes) - first * page, vec.ctypes.data) == 0
+    return float(np.count_nonzero(vec & 1)) / len(vec)
 
 
 def cold(path: Path) -> Path:
@@ -109,8 +120,8 @@ async def test_a_cold_file_streams_through_buffers_within_the_budget(write: Call
 async def test_direct_reads_at_unaligned_ranges_give_the_file_s_bytes(tmp_path: Path) -> None:
     data, path = cold_blob(tmp_path, 5 * MiB + 12345, seed=0)
     async with opened(path) as src:
-        assert not src._cached() and src.piece_bytes(16 * MiB) == 16 * MiB and not src.maps()
         size = len(data)
+        assert not src._cached() and src.piece_bytes(16 * MiB, 0, size) == 16 * MiB and not src.maps(0, size)
         ranges = [
             (0, 300_000),
             (4095, MiB + 3),  # straddles pages at both ends
@@ -162,7 +173,8 @@ async def test_a_warm_file_is_copied_in_large_pieces(write: Callable[..., Path])
     if not cached(path):
         pytest.skip("the file did not stay in the page cache")
     async with opened(path) as src:
-        assert src._cached() and src.maps() and src.piece_bytes(16 * MiB) == WARM_PIECE_BYTES
+        n = path.stat().st_size
+        assert src._cached() and src.maps(0, n) and src.piece_bytes(16 * MiB, 0, n) == WARM_PIECE_BYTES
         buf = bytearray(MiB)
         await src.readinto(8 + int.from_bytes(path.read_bytes()[:8], "little"), memoryview(buf))
         with safe_open(str(path), "pt") as st:
@@ -200,8 +212,8 @@ async def test_what_the_page_cache_holds_decides_and_a_cold_file_is_never_mapped
 ) -> None:
     """``cachestat(2)`` (Linux 6.5+) says how much of a file the page cache holds without mapping
     it, so a file read from the disk is never mapped; where the kernel or a seccomp filter refuses
-    the call, ``mincore`` over a mapping of the file says it instead. A file partly cached counts
-    as on disk."""
+    the call, ``mincore`` over a mapping of the file says it instead. A file partly cached is not
+    cached as a whole (its parts are decided one by one: the test below)."""
     from aload import sources
 
     if how == "mincore":
@@ -217,7 +229,7 @@ async def test_what_the_page_cache_holds_decides_and_a_cold_file_is_never_mapped
     if how == "cachestat":
         fd = os.open(path, os.O_RDONLY)
         try:
-            if sources._cache_share(fd, path.stat().st_size) is None:
+            if sources._window_shares(fd, path.stat().st_size, MiB) is None:
                 pytest.skip("no cachestat(2) here")
         finally:
             os.close(fd)
@@ -237,6 +249,48 @@ async def test_what_the_page_cache_holds_decides_and_a_cold_file_is_never_mapped
         got = {name: t.clone() async for name, t in s}
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
     assert mapped == ([] if how == "cachestat" else [str(path)])  # mincore needs a mapping to ask
+
+
+@pytest.mark.parametrize("into", ["stream", "model"])
+async def test_a_file_partly_evicted_is_read_from_the_cache_where_it_is_and_from_the_disk_where_not(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, into: str
+) -> None:
+    """Other work on a host evicts part of a checkpoint from the page cache (a file read in order
+    loses its oldest pages first). Each window of the file is decided on its own: the cached half
+    comes from the mapping, the evicted half with O_DIRECT, past the page cache (before, the
+    whole file counted as on disk and every byte came from the disk)."""
+    from aload import sources
+
+    mapped: list[str] = []
+    real = sources._map_private
+    monkeypatch.setattr(sources, "_map_private", lambda fd, size, url: mapped.append(url) or real(fd, size, url))
+    tensors = {f"w{i:02d}": torch.full((256, 1024), float(i)) for i in range(16)}  # 1 MiB each
+    path = write(tensors)
+    size = path.stat().st_size
+    path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if sources._window_shares(fd, size, MiB) is None:
+            pytest.skip("no cachestat(2) here")
+        os.fsync(fd)
+        os.posix_fadvise(fd, size // 2, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    front, back = (0, size // 2 - sources.CACHE_WINDOW_BYTES), (size // 2 + 4096, size)  # whole pages only
+    if resident(path, *front) < 1 or resident(path, *back) > 0:
+        pytest.skip("the page cache did not keep the first half and drop the second")
+    if into == "stream":
+        async with aload.stream(path, chunk_bytes=MiB) as s:
+            got = {name: t.clone() async for name, t in s}
+    else:
+        model = flat(tensors)
+        report = await aload.load(model, path)
+        assert report.direct_bytes == 16 * MiB  # each tensor read straight into its buffer
+        got = dict(model.named_buffers())
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert mapped == [str(path)]  # the cached half, from its mapping
+    assert resident(path, *back) == 0  # the evicted half, from the disk past the page cache
+    assert resident(path, *front) == 1
 
 
 async def test_run_all_finishes_every_call_then_raises_the_first_error() -> None:
