@@ -400,9 +400,10 @@ class _CacheStat(ctypes.Structure):
 
 _SYS_CACHESTAT = 451  # Linux 6.5; the same number on every architecture
 _cachestat_ok = sys.platform.startswith("linux")  # until the kernel (or a seccomp filter) refuses it
-#: The share of a window's pages in the page cache from which it counts as cached (mapped and
-#: copied out); a unit touching a window below it is read from the disk with O_DIRECT, its cached
-#: part included.
+#: The share of a unit's pages in the page cache from which it counts as cached (mapped, or copied
+#: out of the mapping); below it the unit is read from the disk with O_DIRECT, its cached part
+#: included. A unit cached but for a few pages is mapped and those are read in ahead of the
+#: consumer, through the page cache.
 WARM_SHARE = 0.99
 #: The page cache is looked at in windows of this many bytes, so that a file partly evicted (by
 #: other work on the host, oldest pages first) is mapped where it is cached and read from the disk
@@ -412,8 +413,8 @@ WARM_SHARE = 0.99
 CACHE_WINDOW_BYTES = 4 << 20
 
 
-def _window_shares(fd: int, size: int, window: int) -> list[float] | None:
-    """The share of each ``window`` bytes of the file in the page cache, in order, from
+def _window_pages(fd: int, size: int, window: int) -> list[int] | None:
+    """How many pages of each ``window`` bytes of the file, in order, sit in the page cache, from
     ``cachestat(2)``: exact, without mapping the file (a mapping waits for the process's
     memory-map lock, which prefaulting buffers holds), ~2.5 ms for 2 GB here. None where the
     call is refused (then never asked again)."""
@@ -422,14 +423,14 @@ def _window_shares(fd: int, size: int, window: int) -> list[float] | None:
         return None
     stat, span = _CacheStat(), _CacheRange(0, window)
     stat_p, span_p = ctypes.byref(stat), ctypes.byref(span)
-    shares = []
+    pages = []
     for off in range(0, size, window):
         span.off = off
         if _libc.syscall(_SYS_CACHESTAT, fd, span_p, stat_p, 0) != 0:
             _cachestat_ok = False  # ENOSYS before 6.5, EPERM under a seccomp filter: mincore instead
             return None
-        shares.append(min(1.0, stat.cache / -(-min(window, size - off) // _PAGE)))
-    return shares
+        pages.append(stat.cache)
+    return pages
 
 
 def _all_cached(arr: np.ndarray[Any, Any], windows: int = 32, window_pages: int = 64) -> bool:
@@ -467,9 +468,9 @@ class LocalSource(Source):
         self._map_lock = threading.Lock()
         self._populate_read = _libc is not None and sys.platform.startswith("linux")
         self._warm: bool | None = None  # whether all of the file sat in the page cache when first read
-        # Windows of CACHE_WINDOW_BYTES not cached then, among the first i: [0, .., total]; None
-        # where only the whole file was looked at (mincore), or not yet.
-        self._cold_before: list[int] | None = None
+        # Pages in the page cache then, in the first i windows of CACHE_WINDOW_BYTES: [0, .., all];
+        # None where only the whole file was looked at (mincore), or not yet.
+        self._cached_before: list[int] | None = None
         self._deciding: asyncio.Future[bool] | None = None  # working that out, on a thread
 
     def _open(self) -> int:
@@ -510,7 +511,9 @@ class LocalSource(Source):
         n = len(buf)
         if n < O_DIRECT_MIN_BYTES or not self.can_map or not self._size:
             await self._pool.run(_pread_into, self._fd, buf, offset, self.url)
-        elif await self._decided() or self._cached_at(offset, n) or not self._direct:
+            return
+        await self._decided()
+        if self._share_at(offset, n) >= WARM_SHARE or not self._direct:
             await self._pool.run(self._copy_out, offset, buf)
         else:
             assert self._direct_pool is not None  # _direct: the file opened with O_DIRECT in it
@@ -535,7 +538,8 @@ class LocalSource(Source):
         return arr
 
     async def populate(self, offset: int, length: int) -> None:
-        if await self._decided() or self._cached_at(offset, length):
+        await self._decided()
+        if self._share_at(offset, length) == 1.0:
             # The consumer's first touch maps each page, as with any memory-mapped loader; mapping
             # ahead on a thread only took cores from that copy (4 GiB through load_weights, warm,
             # 3 runs each: 9.3-10.0 vs 9.3 GB/s, RSS 250 vs 508 MiB).
@@ -546,12 +550,12 @@ class LocalSource(Source):
     def maps(self, offset: int, length: int) -> bool:
         """Bytes in the page cache are mapped; bytes on disk are read into buffers (``O_DIRECT``)
         where they can be."""
-        return self.can_map and (not self._direct or self._cached_at(offset, length))
+        return self.can_map and (not self._direct or self._share_at(offset, length) >= WARM_SHARE)
 
     def piece_bytes(self, chunk_bytes: int, offset: int, length: int) -> int:
         """Large pieces for bytes in the page cache (a copy, where one ``memcpy`` of a large piece
         is fastest), ``chunk_bytes`` for bytes on disk (each is split into direct reads)."""
-        return max(chunk_bytes, WARM_PIECE_BYTES) if self._cached_at(offset, length) else chunk_bytes
+        return max(chunk_bytes, WARM_PIECE_BYTES) if self._share_at(offset, length) >= WARM_SHARE else chunk_bytes
 
     async def ready(self) -> None:
         await self._decided()
@@ -568,32 +572,34 @@ class LocalSource(Source):
         return bool(self._warm)
 
     def _cached(self) -> bool:
-        """Whether all of the file sat in the page cache when its data was first read (decided
-        once, with which parts did; see ``_decided``)."""
+        """Whether the file sat in the page cache when its data was first read, ``WARM_SHARE`` of
+        its pages (decided once, with which parts did; see ``_decided``)."""
         if self._warm is None:
             warm = self.can_map and bool(self._size)
-            shares = _window_shares(self._open(), self._size or 0, CACHE_WINDOW_BYTES) if warm else None
-            if shares is not None:
-                cold = [0]
-                for share in shares:
-                    cold.append(cold[-1] + (share < WARM_SHARE))
-                self._cold_before = cold  # before _warm: the loop may look meanwhile
-                warm = cold[-1] == 0
+            pages = _window_pages(self._open(), self._size or 0, CACHE_WINDOW_BYTES) if warm else None
+            if pages is not None:
+                before = [0]
+                for n in pages:
+                    before.append(before[-1] + n)
+                self._cached_before = before  # before _warm: the loop may look meanwhile
+                warm = before[-1] >= WARM_SHARE * -(-(self._size or 0) // _PAGE)
             elif warm:
                 warm = _all_cached(self._mapping())
             self._warm = warm  # set once, when known
         return self._warm
 
-    def _cached_at(self, offset: int, length: int) -> bool:
-        """Whether the bytes at ``offset`` sat in the page cache when the file was first read:
-        every window they touch (the whole file where only that was looked at)."""
-        if self._cached():
-            return True
-        cold = self._cold_before
-        if cold is None or length <= 0:
-            return False
-        lo, hi = offset // CACHE_WINDOW_BYTES, -(-(offset + length) // CACHE_WINDOW_BYTES)
-        return cold[min(hi, len(cold) - 1)] == cold[lo]
+    def _share_at(self, offset: int, length: int) -> float:
+        """The share of the pages of the windows holding bytes ``offset``..``offset + length`` that
+        sat in the page cache when the file was first read; 1 or 0 where only the whole file was
+        looked at (``mincore``)."""
+        before = self._cached_before
+        if before is None:
+            return 1.0 if self._cached() else 0.0
+        w, size = CACHE_WINDOW_BYTES, self._size or 0
+        lo = min(offset // w, len(before) - 1)
+        hi = min(-(-(offset + max(length, 1)) // w), len(before) - 1)
+        pages = -(-(min(hi * w, size) - lo * w) // _PAGE)
+        return (before[hi] - before[lo]) / pages if pages > 0 else 1.0
 
     def _read_direct(self, offset: int, buf: memoryview) -> None:
         """``buf`` from the file with ``O_DIRECT``: the aligned range around it into this thread's

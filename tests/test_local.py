@@ -229,7 +229,7 @@ async def test_what_the_page_cache_holds_decides_and_a_cold_file_is_never_mapped
     if how == "cachestat":
         fd = os.open(path, os.O_RDONLY)
         try:
-            if sources._window_shares(fd, path.stat().st_size, MiB) is None:
+            if sources._window_pages(fd, path.stat().st_size, MiB) is None:
                 pytest.skip("no cachestat(2) here")
         finally:
             os.close(fd)
@@ -270,7 +270,7 @@ async def test_a_file_partly_evicted_is_read_from_the_cache_where_it_is_and_from
     path.read_bytes()
     fd = os.open(path, os.O_RDONLY)
     try:
-        if sources._window_shares(fd, size, MiB) is None:
+        if sources._window_pages(fd, size, MiB) is None:
             pytest.skip("no cachestat(2) here")
         os.fsync(fd)
         os.posix_fadvise(fd, size // 2, 0, os.POSIX_FADV_DONTNEED)
@@ -291,6 +291,48 @@ async def test_a_file_partly_evicted_is_read_from_the_cache_where_it_is_and_from
     assert mapped == [str(path)]  # the cached half, from its mapping
     assert resident(path, *back) == 0  # the evicted half, from the disk past the page cache
     assert resident(path, *front) == 1
+
+
+@pytest.mark.parametrize("into", ["stream", "model"])
+async def test_a_tensor_missing_a_few_pages_from_the_cache_is_mapped_and_they_are_read_in(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, into: str
+) -> None:
+    """A large tensor cached but for a few pages (``WARM_SHARE`` of a unit's pages count as
+    cached) is not read whole from the disk: it is mapped, and the missing pages are read into the
+    page cache on a read thread before the consumer gets the tensor."""
+    from aload import sources
+
+    direct: list[int] = []
+    real = LocalSource._read_direct
+    monkeypatch.setattr(
+        LocalSource, "_read_direct", lambda self, offset, buf: direct.append(offset) or real(self, offset, buf)
+    )
+    tensors = {"big": torch.arange(16 * MiB, dtype=torch.float32), "small": torch.ones(8)}  # 64 MiB
+    path = write(tensors)
+    size = path.stat().st_size
+    path.read_bytes()
+    hole = (20 * MiB, 22 * MiB)  # whole 2 MiB folios: the page cache drops no less
+    monkeypatch.setattr(sources, "WARM_SHARE", 0.95)  # 97% of the tensor stays cached
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if sources._window_pages(fd, size, MiB) is None:
+            pytest.skip("no cachestat(2) here")
+        os.fsync(fd)
+        os.posix_fadvise(fd, hole[0], hole[1] - hole[0], os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if resident(path, *hole) > 0 or resident(path, 0, hole[0]) < 1:
+        pytest.skip("the page cache did not drop just the hole")
+    if into == "stream":
+        async with aload.stream(path) as s:
+            got = {name: t.clone() async for name, t in s}
+    else:
+        model = flat(tensors)
+        await aload.load(model, path)
+        got = dict(model.named_buffers())
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert direct == []  # nothing read past the page cache
+    assert resident(path, *hole) == 1  # the hole read in through it
 
 
 async def test_run_all_finishes_every_call_then_raises_the_first_error() -> None:
