@@ -312,7 +312,7 @@ async def test_a_tensor_missing_a_few_pages_from_the_cache_is_mapped_and_they_ar
     size = path.stat().st_size
     path.read_bytes()
     hole = (20 * MiB, 22 * MiB)  # whole 2 MiB folios: the page cache drops no less
-    monkeypatch.setattr(sources, "WARM_SHARE", 0.95)  # 97% of the tensor stays cached
+    assert sources.WARM_SHARE <= 0.95  # 97% of the tensor stays cached
     fd = os.open(path, os.O_RDONLY)
     try:
         if sources._window_pages(fd, size, MiB) is None:
