@@ -15,6 +15,7 @@ from typing import Any
 
 from .pipeline import stream
 from .reader import Progress
+from .sources import cached_share
 
 
 def read_status(field_name: str) -> int:
@@ -83,6 +84,7 @@ async def bench_stream(
     url: str, *, max_inflight_bytes: int, concurrency: int, chunk_bytes: int, progress: Any = None, **options: Any
 ) -> dict[str, Any]:
     """Stream every tensor of ``url`` and drop it: the pipeline alone, as one benchmark row."""
+    cached = await asyncio.to_thread(cached_share, url)
     cpu0 = time.process_time()
     async with Probe() as probe:
         t0 = time.perf_counter()
@@ -107,6 +109,7 @@ async def bench_stream(
         "gbps": st.bytes / seconds / 1e9 if seconds > 0 else 0.0,
         "ttft_s": st.ttft_s,
         "cpu_s": time.process_time() - cpu0,
+        "cached_at_start": cached,
         "verified_shards": st.verified_shards,
         "max_inflight_bytes": max_inflight_bytes,
         "concurrency": concurrency,
@@ -133,7 +136,16 @@ def describe(row: dict[str, Any]) -> str:
         f"(+{row['peak_anon_delta_bytes'] / 2**20:.0f} MiB anonymous); loop lateness p50 "
         f"{row['loop_lag_p50_ms']:.2f} ms, p99 {row['loop_lag_p99_ms']:.2f} ms"
         + (f"; SHA-256 verified for {row['verified_shards']} shard(s)" if row.get("verified_shards") else "")
+        + _cache_note(row.get("cached_at_start"))
     )
+
+
+def _cache_note(share: float | None) -> str:
+    """Whether the disk was read at all: a warm page cache makes a local figure memory's speed."""
+    if share is None:
+        return ""
+    state = "warm" if share >= 0.99 else "cold" if share <= 0.01 else "partly warm"
+    return f"; {share:.0%} of it in the page cache at start ({state})"
 
 
 __all__ = ["Probe", "Progress", "bench_stream", "describe", "read_status", "sweep"]

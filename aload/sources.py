@@ -434,6 +434,36 @@ def _window_pages(fd: int, size: int, window: int) -> list[int] | None:
     return pages
 
 
+def cached_share(url: str) -> float | None:
+    """The share of a local checkpoint's bytes (a ``.safetensors`` file, or those of a folder)
+    in the page cache now; None for a remote one, or where ``cachestat(2)`` is refused. For
+    ``aload bench``: a figure means little without whether the disk was read."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    path = _path_from_url(url)
+    files = (
+        [os.path.join(path, e) for e in sorted(os.listdir(path)) if e.endswith(".safetensors")]
+        if os.path.isdir(path)
+        else [path]
+    )
+    cached = pages = 0
+    for name in files:
+        try:
+            fd = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            got = _window_pages(fd, size, max(size, 1))
+        finally:
+            os.close(fd)
+        if got is None and size:
+            return None
+        cached += sum(got or [])
+        pages += -(-size // _PAGE)
+    return cached / pages if pages else None
+
+
 def _all_cached(arr: np.ndarray[Any, Any], windows: int = 32, window_pages: int = 64) -> bool:
     """Whether a mapped file sits in the page cache, from ``mincore`` over ``windows`` evenly
     spaced runs of pages (the whole file when it is small): all of a 2 GB file took 33-37 ms."""

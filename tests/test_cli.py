@@ -57,6 +57,34 @@ def test_bench_prints_figures_and_writes_rows(tmp_path: Path) -> None:
         assert key in row
 
 
+def test_bench_says_how_much_of_a_local_checkpoint_the_page_cache_held(tmp_path: Path) -> None:
+    """A local figure is memory's speed when the page cache held the files, the disk's when not:
+    ``aload bench`` says which (``cachestat(2)``; nothing where the kernel refuses it)."""
+    import os
+
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.randn(256, 1024) for i in range(4)}, str(path))
+    path.read_bytes()
+    out = tmp_path / "rows.jsonl"
+    done = run("bench", str(path), "-q", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    share = json.loads(out.read_text())["cached_at_start"]
+    if share is None:
+        assert "page cache" not in done.stdout
+        return
+    assert share == 1.0 and "100% of it in the page cache at start (warm)" in done.stdout
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    done = run("bench", str(path), "-q", "--json", str(out))
+    share = json.loads(out.read_text())["cached_at_start"]
+    if share < 1.0:  # a filesystem that keeps its files in memory (tmpfs) says 100% again
+        assert share < 0.5 and f"{share:.0%} of it in the page cache at start (" in done.stdout, done.stdout
+
+
 def test_bench_sweep_reports_the_best_setting(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     save_file({f"t{i}": torch.randn(64, 64) for i in range(8)}, str(path))
