@@ -404,7 +404,7 @@ _cachestat_ok = sys.platform.startswith("linux")  # until the kernel (or a secco
 #: out of the mapping); below it the unit is read from the disk with O_DIRECT, its cached part
 #: included. The pages a cached unit misses are read in ahead of its consumer, through the page
 #: cache. A 250 MiB tensor missing 6 MiB (2.4%) was read whole with O_DIRECT at 0.99, its first
-#: tensor after 139-789 ms through ``load_weights``; mapped, ~10-20 ms.
+#: tensor after 169-789 ms through ``load_weights``; mapped, 14-16 ms.
 WARM_SHARE = 0.9
 #: The page cache is looked at in windows of this many bytes, so that a file partly evicted (by
 #: other work on the host, oldest pages first) is mapped where it is cached and read from the disk
@@ -498,7 +498,7 @@ class LocalSource(Source):
         self._bytes: np.ndarray[Any, Any] | None = None
         self._map_lock = threading.Lock()
         self._populate_read = _libc is not None and sys.platform.startswith("linux")
-        self._warm: bool | None = None  # whether all of the file sat in the page cache when first read
+        self._warm: bool | None = None  # whether WARM_SHARE of the file sat in the page cache when first read
         # Pages in the page cache then, in the first i windows of CACHE_WINDOW_BYTES: [0, .., all];
         # None where only the whole file was looked at (mincore), or not yet.
         self._cached_before: list[int] | None = None
