@@ -406,6 +406,11 @@ _cachestat_ok = sys.platform.startswith("linux")  # until the kernel (or a secco
 #: cache. A 250 MiB tensor missing 6 MiB (2.4%) was read whole with O_DIRECT at 0.99, its first
 #: tensor after 169-789 ms through ``load_weights``; mapped, 14-16 ms.
 WARM_SHARE = 0.9
+#: The same share for a unit without a known destination (``load_weights``, streams), which is
+#: either mapped or read into the budget's buffers: mapped from half cached up, the pages it misses
+#: read in through the page cache, since the buffers' fresh pages and second copy cost more than
+#: reading the rest through the cache.
+MAP_SHARE = 0.5
 #: The page cache is looked at in windows of this many bytes, so that a file partly evicted (by
 #: other work on the host, oldest pages first) is mapped where it is cached and read from the disk
 #: only where it is not: a 4 GiB checkpoint with 10% evicted was read whole with O_DIRECT, at
@@ -581,7 +586,7 @@ class LocalSource(Source):
     def maps(self, offset: int, length: int) -> bool:
         """Bytes in the page cache are mapped; bytes on disk are read into buffers (``O_DIRECT``)
         where they can be."""
-        return self.can_map and (not self._direct or self._share_at(offset, length) >= WARM_SHARE)
+        return self.can_map and (not self._direct or self._share_at(offset, length) >= MAP_SHARE)
 
     def piece_bytes(self, chunk_bytes: int, offset: int, length: int) -> int:
         """Large pieces for bytes in the page cache (a copy, where one ``memcpy`` of a large piece

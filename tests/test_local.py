@@ -335,6 +335,51 @@ async def test_a_tensor_missing_a_few_pages_from_the_cache_is_mapped_and_they_ar
     assert resident(path, *hole) == 1  # the hole read in through it
 
 
+@pytest.mark.parametrize("into", ["stream", "model"])
+async def test_a_tensor_a_third_evicted_is_mapped_without_a_destination_and_read_from_disk_with_one(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, into: str
+) -> None:
+    """Without a known destination (``load_weights``, streams) a unit is mapped from half its
+    pages cached up (``MAP_SHARE``) and the rest read in through the page cache: the budget's
+    fresh buffers and a second copy cost more. Read into its parameter it is read with O_DIRECT
+    below ``WARM_SHARE``, straight into place."""
+    from aload import sources
+
+    direct: list[int] = []
+    real = LocalSource._read_direct
+    monkeypatch.setattr(
+        LocalSource, "_read_direct", lambda self, offset, buf: direct.append(offset) or real(self, offset, buf)
+    )
+    tensors = {"big": torch.arange(16 * MiB, dtype=torch.float32), "small": torch.ones(8)}  # 64 MiB
+    path = write(tensors)
+    size = path.stat().st_size
+    path.read_bytes()
+    hole = (20 * MiB, 42 * MiB)  # a third of the tensor
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if sources._window_pages(fd, size, MiB) is None:
+            pytest.skip("no cachestat(2) here")
+        os.fsync(fd)
+        os.posix_fadvise(fd, hole[0], hole[1] - hole[0], os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if resident(path, *hole) > 0 or resident(path, 0, hole[0]) < 1:
+        pytest.skip("the page cache did not drop just the hole")
+    assert sources.MAP_SHARE <= 0.6 < sources.WARM_SHARE
+    if into == "stream":
+        async with aload.stream(path) as s:
+            got = {name: t.clone() async for name, t in s}
+    else:
+        model = flat(tensors)
+        await aload.load(model, path)
+        got = dict(model.named_buffers())
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    if into == "stream":
+        assert direct == [] and resident(path, *hole) == 1  # mapped, the hole read in through the cache
+    else:
+        assert direct and resident(path, *hole) == 0  # past the page cache, into the parameter
+
+
 async def test_run_all_finishes_every_call_then_raises_the_first_error() -> None:
     pool = IOPool(3)
     ran: list[int] = []
