@@ -403,14 +403,13 @@ _cachestat_ok = sys.platform.startswith("linux")  # until the kernel (or a secco
 #: The share of a unit's pages in the page cache from which it counts as cached (mapped, or copied
 #: out of the mapping); below it the unit is read from the disk with O_DIRECT, its cached part
 #: included. The pages a cached unit misses are read in ahead of its consumer, through the page
-#: cache. A 250 MiB tensor missing 6 MiB (2.4%) was read whole with O_DIRECT at 0.99, its first
-#: tensor after 169-789 ms through ``load_weights``; mapped, 14-16 ms.
-WARM_SHARE = 0.9
-#: The same share for a unit without a known destination (``load_weights``, streams), which is
-#: either mapped or read into the budget's buffers: mapped from half cached up, the pages it misses
-#: read in through the page cache, since the buffers' fresh pages and second copy cost more than
-#: reading the rest through the cache.
-MAP_SHARE = 0.5
+#: cache. Measured here (suite children, the first 10% of each shard evicted, 4 runs each): 1 GiB,
+#: whose 250 MiB embedding was 60% cached, 6.9 GB/s built-in at 0.9 against 9.5 at 0.5, and
+#: through ``load_weights`` 3.7 against 6.2 (3 runs; its evicted part went through the budget's
+#: fresh buffers); 4 GiB the same either way. A 250 MiB tensor missing 6 MiB was read whole with O_DIRECT at
+#: 0.99, its first tensor after 169-789 ms through ``load_weights``; mapped, 14-16 ms. Where the
+#: disk is much faster than reading through the page cache, a higher share would do better.
+WARM_SHARE = 0.5
 #: The page cache is looked at in windows of this many bytes, so that a file partly evicted (by
 #: other work on the host, oldest pages first) is mapped where it is cached and read from the disk
 #: only where it is not: a 4 GiB checkpoint with 10% evicted was read whole with O_DIRECT, at
@@ -503,7 +502,7 @@ class LocalSource(Source):
         self._bytes: np.ndarray[Any, Any] | None = None
         self._map_lock = threading.Lock()
         self._populate_read = _libc is not None and sys.platform.startswith("linux")
-        self._warm: bool | None = None  # whether WARM_SHARE of the file sat in the page cache when first read
+        self._warm: bool | None = None  # whether all of the file sat in the page cache when first read
         # Pages in the page cache then, in the first i windows of CACHE_WINDOW_BYTES: [0, .., all];
         # None where only the whole file was looked at (mincore), or not yet.
         self._cached_before: list[int] | None = None
@@ -586,7 +585,7 @@ class LocalSource(Source):
     def maps(self, offset: int, length: int) -> bool:
         """Bytes in the page cache are mapped; bytes on disk are read into buffers (``O_DIRECT``)
         where they can be."""
-        return self.can_map and (not self._direct or self._share_at(offset, length) >= MAP_SHARE)
+        return self.can_map and (not self._direct or self._share_at(offset, length) >= WARM_SHARE)
 
     def piece_bytes(self, chunk_bytes: int, offset: int, length: int) -> int:
         """Large pieces for bytes in the page cache (a copy, where one ``memcpy`` of a large piece
@@ -608,8 +607,8 @@ class LocalSource(Source):
         return bool(self._warm)
 
     def _cached(self) -> bool:
-        """Whether the file sat in the page cache when its data was first read, ``WARM_SHARE`` of
-        its pages (decided once, with which parts did; see ``_decided``)."""
+        """Whether all of the file sat in the page cache when its data was first read (decided
+        once, with which parts did; see ``_decided``)."""
         if self._warm is None:
             warm = self.can_map and bool(self._size)
             pages = _window_pages(self._open(), self._size or 0, CACHE_WINDOW_BYTES) if warm else None
@@ -618,7 +617,7 @@ class LocalSource(Source):
                 for n in pages:
                     before.append(before[-1] + n)
                 self._cached_before = before  # before _warm: the loop may look meanwhile
-                warm = before[-1] >= WARM_SHARE * -(-(self._size or 0) // _PAGE)
+                warm = before[-1] >= -(-(self._size or 0) // _PAGE)
             elif warm:
                 warm = _all_cached(self._mapping())
             self._warm = warm  # set once, when known
