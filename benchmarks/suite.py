@@ -1,7 +1,7 @@
 """The benchmark suite: aload against the loaders people use today, on the same checkpoints.
 
-    python benchmarks/suite.py [--sizes 1,4,8] [--many] [--scenarios warm,cold] [--reps 5]
-                               [--loaders all] [--out benchmarks/out]
+    python benchmarks/suite.py [--sizes 1,4,8] [--many] [--scenarios warm,cold,partial] [--reps 5]
+                               [--loaders all] [--out benchmarks/out] [--ckpt-dir DIR]
 
 Generates Llama-shaped bf16 checkpoints (big matrices and small norms, ~2 GiB shards) and, with
 --many, one of 20,000 small tensors; runs every loader on the same checkpoint in a fresh process
@@ -488,6 +488,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--loaders", default="all")
     ap.add_argument("--out", type=Path, default=HERE / "out")
+    ap.add_argument(
+        "--ckpt-dir",
+        type=Path,
+        help="where the checkpoints are written once and reused (default: --out; 13 GiB for 1,4,8)",
+    )
     ap.add_argument("--runai-sweep", default="4,8,16,32", help="concurrencies tried for runai_best (warm, once)")
     ap.add_argument("--replot", action="store_true", help="redraw the plots from --out's rows and traces")
     ap.add_argument(
@@ -517,13 +522,14 @@ def main() -> None:
         return
     loaders = list(LOADERS) if a.loaders == "all" else a.loaders.split(",")
     a.out.mkdir(parents=True, exist_ok=True)
-    ckpts: dict[str, Path] = {f"{s}GiB": make_llama(a.out / f"ckpt-{s}g", float(s)) for s in a.sizes.split(",") if s}
+    where = a.ckpt_dir or a.out  # checkpoints written once there, reused by later runs
+    ckpts: dict[str, Path] = {f"{s}GiB": make_llama(where / f"ckpt-{s}g", float(s)) for s in a.sizes.split(",") if s}
     if a.many:
-        ckpts["20k-tensors"] = make_many(a.out / "ckpt-many")
+        ckpts["20k-tensors"] = make_many(where / "ckpt-many")
     if a.many_shards:
-        ckpts["64-shards"] = make_many_shards(a.out / "ckpt-64-shards")
+        ckpts["64-shards"] = make_many_shards(where / "ckpt-64-shards")
     if a.moe:
-        ckpts["moe-layout"] = make_moe(a.out / "ckpt-moe")
+        ckpts["moe-layout"] = make_moe(where / "ckpt-moe")
     runai_c = None
     if "runai_best" in loaders:
         first = next(iter(ckpts.values()))
