@@ -117,6 +117,17 @@ def no_leaks() -> Iterator[None]:
     assert not fds, f"files left open: {fds}"
 
 
+def drop_cache(path: Path, offset: int = 0, length: int = 0) -> None:
+    """``length`` bytes of ``path`` from ``offset`` (0: to its end) out of the page cache, written
+    back first (dirty pages stay). The page cache drops whole folios only (up to 2 MiB here)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def llama_like(
     n_layers: int = 2, hidden: int = 64, vocab: int = 128, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .conftest import drop_cache
+
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "aload.cli", *args], capture_output=True, text=True, timeout=120)
@@ -60,8 +62,6 @@ def test_bench_prints_figures_and_writes_rows(tmp_path: Path) -> None:
 def test_bench_says_how_much_of_a_local_checkpoint_the_page_cache_held(tmp_path: Path) -> None:
     """A local figure is memory's speed when the page cache held the files, the disk's when not:
     ``aload bench`` says which (``cachestat(2)``; nothing where the kernel refuses it)."""
-    import os
-
     path = tmp_path / "m.safetensors"
     save_file({f"t{i}": torch.randn(256, 1024) for i in range(4)}, str(path))
     path.read_bytes()
@@ -73,12 +73,7 @@ def test_bench_says_how_much_of_a_local_checkpoint_the_page_cache_held(tmp_path:
         assert "page cache" not in done.stdout
         return
     assert share == 1.0 and "100% of it in the page cache at start (warm)" in done.stdout
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cache(path)
     done = run("bench", str(path), "-q", "--json", str(out))
     share = json.loads(out.read_text())["cached_at_start"]
     if share < 1.0:  # a filesystem that keeps its files in memory (tmpfs) says 100% again
