@@ -271,7 +271,7 @@ class HttpStore(Store):
         if token:
             self._headers.setdefault("Authorization", f"Bearer {token}")
         # What must never be printed: header values, the query string, a password in the URL.
-        self._proxies: dict[tuple[str, str | None], str | None] = {}  # per origin, looked up once
+        self._proxy = wire.Proxies()
         proxy = self._proxy(self._base)
         values = (*self._headers.values(), token, parts.query, parts.password, urlsplit(proxy or "").password)
         values += tuple(v.removeprefix("Bearer ") for v in self._headers.values())  # a token given as a header
@@ -316,14 +316,6 @@ class HttpStore(Store):
                 return
         async with self._get(url, headers) as plain:
             yield plain
-
-    def _proxy(self, url: str) -> str | None:
-        """``wire.proxy_for(url)``, once per origin (reading the environment takes ~50 us)."""
-        parts = urlsplit(url)
-        key = (parts.scheme.lower(), parts.netloc)
-        if key not in self._proxies:
-            self._proxies[key] = wire.proxy_for(url)
-        return self._proxies[key]
 
     def _get(self, url: str, headers: dict[str, str] | None = None) -> Any:
         """aiohttp's GET of ``url``, through the proxy the environment names for it, credentials

@@ -406,9 +406,9 @@ _cachestat_ok = sys.platform.startswith("linux")  # until the kernel (or a secco
 #: cache. Measured here (suite children, the first 10% of each shard evicted, 4 runs each): 1 GiB,
 #: whose 250 MiB embedding was 60% cached, 6.9 GB/s built-in at 0.9 against 9.5 at 0.5, and
 #: through ``load_weights`` 3.7 against 6.2 (3 runs; its evicted part went through the budget's
-#: fresh buffers); 4 GiB the same either way. A 250 MiB tensor missing 6 MiB was read whole with O_DIRECT at
-#: 0.99, its first tensor after 169-789 ms through ``load_weights``; mapped, 14-16 ms. Where the
-#: disk is much faster than reading through the page cache, a higher share would do better.
+#: fresh buffers); 4 GiB the same either way. A 250 MiB tensor missing 6 MiB was read whole with
+#: O_DIRECT at 0.99, its first tensor after 169-789 ms through ``load_weights``; mapped, 14-16 ms.
+#: Where the disk is much faster than reading through the page cache, a higher share would fit.
 WARM_SHARE = 0.5
 #: The page cache is looked at in windows of this many bytes, so that a file partly evicted (by
 #: other work on the host, oldest pages first) is mapped where it is cached and read from the disk
@@ -548,7 +548,7 @@ class LocalSource(Source):
             await self._pool.run(_pread_into, self._fd, buf, offset, self.url)
             return
         await self._decided()
-        if self._share_at(offset, n) >= WARM_SHARE or not self._direct:
+        if self._in_cache(offset, n) or not self._direct:
             await self._pool.run(self._copy_out, offset, buf)
         else:
             assert self._direct_pool is not None  # _direct: the file opened with O_DIRECT in it
@@ -585,17 +585,17 @@ class LocalSource(Source):
     def maps(self, offset: int, length: int) -> bool:
         """Bytes in the page cache are mapped; bytes on disk are read into buffers (``O_DIRECT``)
         where they can be."""
-        return self.can_map and (not self._direct or self._share_at(offset, length) >= WARM_SHARE)
+        return self.can_map and (not self._direct or self._in_cache(offset, length))
 
     def piece_bytes(self, chunk_bytes: int, offset: int, length: int) -> int:
         """Large pieces for bytes in the page cache (a copy, where one ``memcpy`` of a large piece
         is fastest), ``chunk_bytes`` for bytes on disk (each is split into direct reads)."""
-        return max(chunk_bytes, WARM_PIECE_BYTES) if self._share_at(offset, length) >= WARM_SHARE else chunk_bytes
+        return max(chunk_bytes, WARM_PIECE_BYTES) if self._in_cache(offset, length) else chunk_bytes
 
     async def ready(self) -> None:
         await self._decided()
 
-    async def _decided(self) -> bool:
+    async def _decided(self) -> None:
         """``_cached()``, worked out on a thread the first time: ``cachestat`` walks the file's
         pages in the cache (and ``mincore``, where it is refused, first maps the file, which waits
         for the process's memory-map lock); on the loop that was 3-9 ms of lateness per shard of
@@ -604,7 +604,6 @@ class LocalSource(Source):
             if self._deciding is None:  # one decision, however many reads ask at once
                 self._deciding = asyncio.ensure_future(self._pool.run(self._cached))
             await asyncio.shield(self._deciding)
-        return bool(self._warm)
 
     def _cached(self) -> bool:
         """Whether all of the file sat in the page cache when its data was first read (decided
@@ -622,6 +621,10 @@ class LocalSource(Source):
                 warm = _all_cached(self._mapping())
             self._warm = warm  # set once, when known
         return self._warm
+
+    def _in_cache(self, offset: int, length: int) -> bool:
+        """Whether the bytes at ``offset`` are read from the page cache (``WARM_SHARE``)."""
+        return self._share_at(offset, length) >= WARM_SHARE
 
     def _share_at(self, offset: int, length: int) -> float:
         """The share of the pages of the windows holding bytes ``offset``..``offset + length`` that

@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.suite import drop_cache, shards, warm_cache
+from benchmarks.suite import drop_cache, preallocated_model, warm_cache
 
 #: A pool thread waiting for work (``concurrent.futures.thread._worker`` at its queue ``get``).
 _IDLE = ("_worker", "thread.py")
@@ -58,18 +58,10 @@ def main() -> None:
     a = ap.parse_args()
 
     import torch
-    from safetensors import safe_open
 
     import aload
-    from examples.demo import empty_model
 
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in shards(a.folder):
-        with safe_open(str(f), "pt") as st:
-            for k in st.keys():
-                shapes[k] = tuple(st.get_slice(k).get_shape())
-    model = empty_model(shapes, torch.bfloat16)
-    params = dict(model.named_parameters())
+    model, params = preallocated_model(a.folder)
     drop_cache(a.folder) if a.cold else warm_cache(a.folder)
     if a.preload:
         aload.preload()

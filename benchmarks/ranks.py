@@ -31,20 +31,12 @@ CHILD = r"""
 import asyncio, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[4])
-import torch
 from safetensors import safe_open
 import aload
-from benchmarks.suite import shards
-from examples.demo import empty_model
+from benchmarks.suite import preallocated_model, shards
 
 folder, loader, start = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-shapes = {}
-for f in shards(folder):
-    with safe_open(str(f), "pt") as st:
-        for k in st.keys():
-            shapes[k] = tuple(st.get_slice(k).get_shape())
-model = empty_model(shapes, torch.bfloat16)  # zeros: every page touched before timing
-params = dict(model.named_parameters())
+model, params = preallocated_model(folder)
 while time.time() < start:
     time.sleep(0.001)
 t0 = time.perf_counter()

@@ -172,24 +172,21 @@ def evict_head(folder: Path, share: float = PARTIAL_EVICT) -> None:
         os.close(fd)
 
 
-def cached_fraction(folder: Path) -> float:
-    """The share of the checkpoint's pages in the page cache (mincore), recorded with each row."""
-    import mmap
+def preallocated_model(folder: Path) -> tuple[Any, dict[str, Any]]:
+    """A bf16 module tree with a parameter per checkpoint tensor, every page touched (as an engine
+    allocates its model before loading), and its parameters by name."""
+    import torch
+    from safetensors import safe_open
 
-    import numpy as np
+    from examples.demo import empty_model
 
-    from aload.sources import _libc
-
-    assert _libc is not None
-    cached = pages = 0
-    for p in shards(folder):
-        m = np.memmap(p, mode="r")
-        vec = np.zeros(-(-m.nbytes // mmap.PAGESIZE), dtype=np.uint8)
-        _libc.mincore(m.ctypes.data, m.nbytes, vec.ctypes.data)
-        cached += int(np.count_nonzero(vec & 1))
-        pages += len(vec)
-        del m
-    return cached / max(1, pages)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in shards(folder):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                shapes[k] = tuple(st.get_slice(k).get_shape())
+    model = empty_model(shapes, torch.bfloat16)  # zeros: every page touched before timing
+    return model, dict(model.named_parameters())
 
 
 def warm_cache(folder: Path) -> float:
@@ -257,23 +254,17 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
 
     import aload
     from aload.bench import Probe
-    from examples.demo import empty_model
+    from aload.sources import cached_share
 
     files = [str(p) for p in shards(folder)]
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(f, "pt") as st:
-            for k in st.keys():
-                shapes[k] = tuple(st.get_slice(k).get_shape())
-    model = empty_model(shapes, torch.bfloat16)  # zeros: every page touched before timing
-    params = dict(model.named_parameters())
+    model, params = preallocated_model(folder)
     # The page cache is set up here, after the model is allocated: warmed before, an 8 GiB
     # checkpoint's pages (read once, so first in line) were partly evicted to make room for the
     # 8 GiB model, and "warm" runs were part cold (all loaders ~7 GB/s instead of ~10).
     drop_cache(folder) if scenario == "cold" else warm_cache(folder)
     if scenario == "partial":
         evict_head(folder)
-    cached = cached_fraction(folder)
+    cached = cached_share(str(folder))  # cachestat; None where the kernel refuses it
     first: list[float] = []
 
     def copy_in(name: str, t: Any) -> None:
@@ -313,7 +304,7 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
         }
 
     row = asyncio.run(main())
-    last = list(shapes)[-1]
+    last = list(params)[-1]
     with safe_open(files[-1], "pt") as st:  # the model really holds the checkpoint's bytes
         k = list(st.keys())[-1]
         assert torch.equal(params[k], st.get_tensor(k)), (loader, k, last)

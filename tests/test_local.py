@@ -229,20 +229,10 @@ async def test_what_the_page_cache_holds_decides_and_a_cold_file_is_never_mapped
     if not cached(path):
         pytest.skip("the file did not stay in the page cache")
     if how == "cachestat":
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if sources._window_pages(fd, path.stat().st_size, MiB) is None:
-                pytest.skip("no cachestat(2) here")
-        finally:
-            os.close(fd)
+        needs_cachestat(path)
     async with opened(path) as src:
         assert src._cached()
-    fd = os.open(path, os.O_RDONLY)
-    try:  # the second half out of the cache, the first still in
-        os.fsync(fd)
-        os.posix_fadvise(fd, path.stat().st_size // 2, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cache(path, path.stat().st_size // 2)  # the second half out of the cache, the first still in
     async with opened(path) as src:
         assert not src._cached()
     cold(path)
