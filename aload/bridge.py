@@ -16,6 +16,7 @@ import collections
 import threading
 from collections.abc import AsyncIterator, Iterator
 
+from ._threads import CHECK_EVERY, Pacer
 from .pipeline import TensorStream
 from .plan import Item, Unit
 from .reader import UnitView, cut
@@ -65,6 +66,8 @@ class SyncBridge(Iterator[Pair]):
         self.error: BaseException | None = None
         self.exhausted = False
         self.names: list[str] = []  # handed to the consumer, in order
+        self._scattered = 0
+        self._pace = Pacer()
 
     async def _entries(self) -> AsyncIterator[Pair | _Batch]:
         """Pairs, or whole units where no tensor stage needs to see the pairs: then the loop
@@ -157,6 +160,12 @@ class SyncBridge(Iterator[Pair]):
                 for item in rest:
                     if not item.skip:
                         self.names.append(item.name)
+                        if unit.scatter:
+                            # Tensors already in place: the consumer's loop over them makes no
+                            # call that lets go of the GIL, so the loop gets it back here.
+                            self._scattered += 1
+                            if not self._scattered % CHECK_EVERY:
+                                self._pace()
                         return item.name, cut(unit, base, item)
                 self._batch = None
                 del batch, unit, base, rest
@@ -169,7 +178,11 @@ class SyncBridge(Iterator[Pair]):
                 self._pump_waiting = False
                 self._call(self._room.set)
             if type(entry) is _Batch:
-                self._batch = (entry.unit, entry.base, iter(entry.unit.items))
+                unit = entry.unit
+                if unit.scatter:  # copied out of the page cache into the destinations, here
+                    unit.source.scatter_into(unit.start, [item.dest for item in unit.items])
+                self._batch = (unit, entry.base, iter(unit.items))
+                del unit
                 continue
             assert isinstance(entry, tuple)
             self.names.append(entry[0])

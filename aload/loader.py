@@ -188,12 +188,14 @@ class Loader:
         targets = self._walked_for(model).targets
 
         def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
+            # Asked of every tensor (small ones are read straight in too), so the cheapest checks
+            # torch has (``torch.Size`` is a tuple; ``is_cpu`` makes no device object), and the
+            # parameter itself rather than ``.data``: a new tensor object per tensor set off
+            # collections of the whole model (89,820 tensors: 2-7 us each instead of ~0.9).
             t = targets.get(name)
-            if t is None or t.device.type != "cpu" or t.dtype != spec.torch_dtype:
+            if t is None or t.shape != spec.shape or t.dtype != spec.torch_dtype or not t.is_cpu:
                 return None
-            if tuple(t.shape) != spec.shape or not t.is_contiguous():
-                return None
-            return t.data
+            return t if t.is_contiguous() else None
 
         return dest
 
@@ -221,12 +223,13 @@ class Loader:
                 if target is None:
                     done.unexpected.append(name)
                     continue
-                if t.shape != target.shape:
-                    raise LoadError(
-                        f"shape {list(t.shape)} in the checkpoint, {list(target.shape)} in the model", tensor=name
-                    )
-                if t.data_ptr() != target.data_ptr() or t.dtype != target.dtype:  # else read in place
-                    target.copy_(t, non_blocking=True)
+                if t is not target:  # else read straight into it (``destinations`` checked it)
+                    if t.shape != target.shape:
+                        raise LoadError(
+                            f"shape {list(t.shape)} in the checkpoint, {list(target.shape)} in the model", tensor=name
+                        )
+                    if t.data_ptr() != target.data_ptr() or t.dtype != target.dtype:  # else in place too
+                        target.copy_(t, non_blocking=True)
                 done.names.add(name)
                 del t
         done.missing = walked.missing(done.names)

@@ -4,7 +4,8 @@ Tensors are taken in shard order, then offset order. Neighbouring small tensors 
 one unit of up to ``chunk_bytes``, the first few units smaller (``FIRST_GROUP_BYTES``); a gap left
 by a pruned tensor, or a tensor whose offset would be misaligned for its dtype, starts a new unit.
 A large tensor is a unit of its own, read later as several chunks in parallel. A tensor whose
-destination is known is read straight into it.
+destination is known is read straight into it: a large one by its own reads, a run of small ones
+(where the source can) by one scattering read into all of theirs (a ``scatter`` unit).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from .checkpoint import Checkpoint
 from .format import ITEMSIZE, TensorSpec, _new_tuple, untrack
 from .sources import Source
 
-#: Tensors smaller than this are read coalesced and copied even when their destination is known:
-#: one read per tiny tensor costs more than the copy (measured: 20,000 tensors of 256 bytes took
-#: ~400 us each read one by one).
+#: Tensors smaller than this are read coalesced, never one read each, even when their destination
+#: is known (20,000 tensors of 256 bytes took ~400 us each read one by one): into a buffer and
+#: copied, or, from a source that ``scatters``, by one read filling a run of destinations.
 DIRECT_MIN_BYTES = 1 << 20
 
 #: The first unit of coalesced small tensors holds up to this many bytes, the next twice as many,
@@ -37,13 +38,16 @@ DestFn = Callable[[str, TensorSpec], "torch.Tensor | None"]
 
 
 class Item(NamedTuple):
-    """One tensor of a unit: a tuple of leaves, which the garbage collector is told not to track
-    (``format.untrack``), as each ``TensorSpec``."""
+    """One tensor of a unit: a tuple the garbage collector is told not to track
+    (``format.untrack``), as each ``TensorSpec``. It holds leaves and, in a ``scatter`` unit, the
+    model's own parameter, which the model keeps alive and which refers to no ``Item``: a cycle
+    through it cannot be made, and an untracked tuple only keeps what it holds alive."""
 
     spec: TensorSpec
     name: str
     offset: int  # within the unit
     skip: bool = False  # read (for a digest) but not delivered
+    dest: torch.Tensor | None = None  # of a small tensor in a ``scatter`` unit: read straight into it
 
 
 @dataclass
@@ -55,6 +59,8 @@ class Unit:
     nbytes: int = 0
     items: list[Item] = field(default_factory=list)
     dest: torch.Tensor | None = None
+    #: Every item has its own ``dest``, and one scattering read (``Source.scatter``) fills them all.
+    scatter: bool = False
 
     def chunks(self, chunk_bytes: int) -> Iterator[tuple[int, int]]:
         """(offset within the unit, length) of each read."""
@@ -82,7 +88,11 @@ def make_plan(
     # Written for speed (89,820 tensors: 121 ms before): the open group's extent kept in locals,
     # no call per tensor (Items made by ``_new_tuple``), the pause checked every CHECK_EVERY tensors.
     g_start = g_end = 0
-    g_shard = ""
+    g_shard = s_shard = ""
+    s_ok = False
+    # Small tensors with a destination are read straight into it where the source can scatter
+    # one read over many buffers; not when every byte must pass through a digest in order.
+    scatter = dest is not None and not read_all
     pace = Pacer()
     for i, spec in enumerate(ckpt.specs.values(), 1):
         if i % CHECK_EVERY == 0:
@@ -99,9 +109,16 @@ def make_plan(
         else:
             tensors += 1
             nbytes += n
-        target = dest(name, spec) if dest is not None and not skip and n >= DIRECT_MIN_BYTES else None
-        if target is not None or n > chunk_bytes:
-            item = _new_tuple(Item, (spec, name, 0, skip))
+        target = None
+        if dest is not None and not skip:
+            if n >= DIRECT_MIN_BYTES:
+                target = dest(name, spec)
+            elif scatter:  # where the shard's source can scatter a read (looked up once a shard)
+                if spec.shard != s_shard:
+                    s_shard, s_ok = spec.shard, ckpt.source(spec).scatters
+                target = dest(name, spec) if s_ok else None
+        if n > chunk_bytes or (target is not None and n >= DIRECT_MIN_BYTES):
+            item = _new_tuple(Item, (spec, name, 0, skip, None))
             untrack(item)
             units.append(Unit(ckpt.source(spec), start, n, [item], target))
             group = None
@@ -112,13 +129,14 @@ def make_plan(
             or spec.shard != g_shard
             or (start - g_start) % ITEMSIZE[spec.dtype]
             or end - g_start > limit
+            or (target is not None) != group.scatter
         ):
-            group = Unit(ckpt.source(spec), start)
+            group = Unit(ckpt.source(spec), start, scatter=target is not None)
             units.append(group)
             g_start, g_shard = start, spec.shard
             limit = min(chunk_bytes, FIRST_GROUP_BYTES << groups)
             groups = min(groups + 1, 32)
-        item = _new_tuple(Item, (spec, name, start - g_start, skip))
+        item = _new_tuple(Item, (spec, name, start - g_start, skip, target))
         untrack(item)
         group.items.append(item)
         g_end = end

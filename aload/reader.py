@@ -160,7 +160,8 @@ class Lease:
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    # detach(): a destination may be a parameter that requires grad (its bytes are written here).
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 class UnitView:
@@ -209,6 +210,8 @@ def cut(unit: Unit, view: UnitView | None, item: Item) -> torch.Tensor:
     unit's buffer (from any thread: nothing here touches the reader)."""
     if unit.dest is not None:
         return unit.dest
+    if item.dest is not None:
+        return item.dest
     spec = item.spec
     if view is None or spec.nbytes == 0:  # zero-size tensors own no bytes
         return torch.empty(spec.shape, dtype=spec.torch_dtype)
@@ -300,7 +303,7 @@ class Reader:
 
     def _buffered(self, unit: Unit) -> bool:
         """Whether ``unit`` is read into a leased buffer (the read-ahead window counts those)."""
-        return unit.dest is None and unit.nbytes > 0 and not self._mappable(unit)
+        return unit.dest is None and not unit.scatter and unit.nbytes > 0 and not self._mappable(unit)
 
     def _try_alloc(self, unit: Unit) -> Lease | None:
         n, inflight, cap = unit.nbytes, self.stats.inflight_bytes, self._arena.capacity
@@ -361,7 +364,7 @@ class Reader:
                     self._changed.clear()
                     await self._changed.wait()
                 self._unread += unit.nbytes
-            lease = await self._acquire(unit) if unit.dest is None and unit.nbytes else None
+            lease = await self._acquire(unit) if unit.dest is None and not unit.scatter and unit.nbytes else None
             task = asyncio.ensure_future(self._read(unit, lease))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -373,6 +376,15 @@ class Reader:
 
     async def _read(self, unit: Unit, lease: Lease | None) -> None:
         if unit.nbytes == 0:
+            return
+        if unit.scatter:
+            # Its consumer copies it out of the page cache into the destinations, one scattering
+            # read (``Source.scatter_into``): here it is only brought into the cache, ahead.
+            async with self._gate:
+                await unit.source.prefetch(unit.start, unit.nbytes)
+            self.stats.bytes_read += unit.nbytes
+            self.stats.reads += 1
+            self.stats.direct_bytes += unit.nbytes
             return
         if lease is not None and lease.kind != MAPPED:
             await self._prefault(lease)
@@ -472,6 +484,8 @@ class Reader:
         clock = time.perf_counter
         due = clock() + PAUSE_AFTER_S
         async for unit, base in self.units():
+            if unit.scatter:
+                await unit.source.scatter(unit.start, [item.dest for item in unit.items])
             for item in unit.items:
                 if not item.skip:
                     self.account(unit, item.spec.nbytes, 1)

@@ -248,9 +248,10 @@ async def test_a_large_header_is_decoded_a_piece_at_a_time(
 ) -> None:
     """No single ``json.loads`` of a 3,000-tensor header takes more than ~2 pieces of it (one
     call holds the GIL, and so the event loop, for its whole length); a key named twice in
-    different pieces is still refused."""
+    different pieces is still refused (its keys counted a piece at a time too)."""
     from aload import format as fmt
 
+    monkeypatch.setattr(fmt, "_SCAN_PIECE", 4096)
     tensors = {f"layers.{i}.weight": torch.full((2,), float(i)) for i in range(3000)}
     path = write(tensors)
     sizes = _loads_sizes(monkeypatch)
@@ -266,6 +267,16 @@ async def test_a_large_header_is_decoded_a_piece_at_a_time(
     dup = raw_file(tmp_path / "dup.safetensors", text.encode(), b"\0" * 24008)
     with pytest.raises(aload.HeaderError, match="twice"):
         await aload.open(dup)
+
+
+def test_keys_are_counted_a_piece_at_a_time_wherever_the_pieces_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aload import format as fmt
+
+    monkeypatch.setattr(fmt, "_SCAN_PIECE", 16)
+    for at in range(48):
+        raw = b"x" * at + b'"dtype"' + b"y" * (60 - at) + b'"dtype":"shape"'
+        for key in (b'"dtype"', b'"shape"', b"\\", b"y"):
+            assert fmt._count(raw, key) == raw.count(key), (at, key)
 
 
 def test_paced_hands_over_the_gil_every_so_many_items(monkeypatch: pytest.MonkeyPatch) -> None:
