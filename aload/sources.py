@@ -309,6 +309,13 @@ def _path_from_url(url: str) -> str:
     return os.path.expanduser(url)
 
 
+def _willneed(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to read exactly these bytes into the page cache (it returns once the reads
+    are queued); nothing where the call does not exist."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+
+
 def _pread_into(fd: int, buf: memoryview, offset: int, url: str) -> None:
     done, total = 0, len(buf)
     while done < total:
@@ -623,7 +630,7 @@ class LocalSource(Source):
     def _prefetch(self, offset: int, length: int) -> None:
         self._check_length(offset, length)
         assert self._fd is not None
-        os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
+        _willneed(self._fd, offset, length)
 
     def scatter_into(self, offset: int, dests: list[Any]) -> None:
         """From the page cache (``preadv``; ``prefetch`` asked for the pages): the many small
@@ -778,6 +785,9 @@ class LocalSource(Source):
         assert self._fd is not None and self._bytes is not None
         self._check_length(offset, length)
         first = offset - offset % _PAGE
+        # Exactly these bytes asked for first: a fault on a missing page reads around it
+        # (``read_ahead_kb``, 8 MiB on the VM measured), into neighbours read with O_DIRECT.
+        _willneed(self._fd, offset, length)
         if self._populate_read:
             # One call faults the range in (with the kernel's readahead) and lets go of the GIL
             # throughout: touching pages from numpy holds it for small ranges, and on a cold

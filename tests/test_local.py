@@ -442,3 +442,32 @@ async def test_a_file_truncated_under_a_load_of_small_tensors_names_the_file_and
     assert info.value.url == str(path) and info.value.byte_range is not None
     assert info.value.byte_range[1] > os.path.getsize(path)
     assert "partly loaded" in " ".join(info.value.__notes__)
+
+
+async def test_a_cold_run_of_small_tensors_is_mapped_for_load_weights_and_the_large_read_past_the_cache(
+    write: Callable[..., Path],
+) -> None:
+    """Through ``load_weights`` (no destinations) a cold file's runs of small tensors are brought
+    into the page cache, exactly their bytes, and handed out as views of the mapping; its large
+    tensors are read with O_DIRECT into the budget's buffers."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"norm.{i}": torch.randn(1024, generator=g) for i in range(512)}  # 4 KiB each
+    tensors.update({f"big.{i}": torch.randn(1024, 1024, generator=g) for i in range(3)})  # 4 MiB
+    path = cold(write(tensors))
+    async with aload.open(path) as ckpt:
+        specs = ckpt.specs
+    seen: dict[str, torch.Tensor] = {}
+
+    class Engine(nn.Module):
+        def load_weights(self, weights: Any) -> set[str]:
+            for name, t in weights:
+                seen[name] = t.clone()
+            return set()
+
+    report = await aload.load(Engine(), path, chunk_bytes=MiB)
+    assert all(torch.equal(seen[k], v) for k, v in tensors.items())
+    small = [s for s in specs.values() if s.name.startswith("norm.")]
+    large = [s for s in specs.values() if s.name.startswith("big.")]
+    assert all(resident(path, s.start, s.end) == 1 for s in small)
+    assert sum(resident(path, s.start, s.end) for s in large) < 0.1
+    assert report.peak_inflight_bytes >= 4 * MiB  # a large tensor's buffer
