@@ -59,8 +59,13 @@ class Unit:
     nbytes: int = 0
     items: list[Item] = field(default_factory=list)
     dest: torch.Tensor | None = None
-    #: Every item has its own ``dest``, and one scattering read (``Source.scatter``) fills them all.
+    #: Every item has its own ``dest``, and one scattering read (``Source.scatter_into``) fills them all.
     scatter: bool = False
+
+    @property
+    def in_place(self) -> bool:
+        """Read straight into its destination(s): no buffer of the budget's."""
+        return self.dest is not None or self.scatter
 
     def chunks(self, chunk_bytes: int) -> Iterator[tuple[int, int]]:
         """(offset within the unit, length) of each read."""

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._threads import PAUSE_AFTER_S
+from ._threads import PAUSE_AFTER_S, run_in_thread
 from .errors import UsageError
 from .integrity import ShardHash
 from .plan import Item, Plan, Unit
@@ -312,7 +312,7 @@ class Reader:
 
     def _buffered(self, unit: Unit) -> bool:
         """Whether ``unit`` is read into a leased buffer (the read-ahead window counts those)."""
-        return unit.dest is None and not unit.scatter and unit.nbytes > 0 and not self._mappable(unit)
+        return not unit.in_place and unit.nbytes > 0 and not self._mappable(unit)
 
     def _try_alloc(self, unit: Unit) -> Lease | None:
         n, inflight, cap = unit.nbytes, self.stats.inflight_bytes, self._arena.capacity
@@ -373,7 +373,7 @@ class Reader:
                     self._changed.clear()
                     await self._changed.wait()
                 self._unread += unit.nbytes
-            lease = await self._acquire(unit) if unit.dest is None and not unit.scatter and unit.nbytes else None
+            lease = await self._acquire(unit) if not unit.in_place and unit.nbytes else None
             task = asyncio.ensure_future(self._read(unit, lease))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -493,8 +493,8 @@ class Reader:
         clock = time.perf_counter
         due = clock() + PAUSE_AFTER_S
         async for unit, base in self.units():
-            if unit.scatter:
-                await unit.source.scatter(unit.start, [item.dest for item in unit.items])
+            if unit.scatter:  # a bridge does this on its consumer's thread; here, off the loop
+                await run_in_thread(unit.source.scatter_into, unit.start, [item.dest for item in unit.items])
             for item in unit.items:
                 if not item.skip:
                     self.account(unit, item.spec.nbytes, 1)

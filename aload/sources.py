@@ -102,10 +102,6 @@ class Source(ABC):
         to end, with the bytes from ``offset``, or raise ``SourceError``; blocking, from any thread."""
         raise NotImplementedError
 
-    async def scatter(self, offset: int, dests: list[Any]) -> None:
-        """``scatter_into`` off the event loop."""
-        await run_in_thread(self.scatter_into, offset, dests)
-
     def _from_whole(self, offset: int, buf: memoryview) -> bool:
         """Fill ``buf`` from the object kept whole by ``head``, if there is one."""
         whole = self._whole
@@ -570,7 +566,7 @@ class LocalSource(Source):
         # None where only the whole file was looked at (mincore), or not yet.
         self._cached_before: list[int] | None = None
         self._deciding: asyncio.Future[bool] | None = None  # working that out, on a thread
-        self.scatters = _IOVEC_OK and self.can_map and hasattr(os, "posix_fadvise")
+        self.scatters = _IOVEC_OK and self.can_map
 
     def _open(self) -> int:
         if self._fd is None:
@@ -638,9 +634,6 @@ class LocalSource(Source):
         fd = self._fd
         assert fd is not None, "prefetched before"
         _scatter_into(fd, offset, dests, self.url)
-
-    async def scatter(self, offset: int, dests: list[Any]) -> None:
-        await self._pool.run(self.scatter_into, offset, dests)
 
     def view(self, offset: int, length: int) -> np.ndarray[Any, Any]:
         return self._mapping()[offset : offset + length]

@@ -471,3 +471,17 @@ async def test_a_cold_run_of_small_tensors_is_mapped_for_load_weights_and_the_la
     assert all(resident(path, s.start, s.end) == 1 for s in small)
     assert sum(resident(path, s.start, s.end) for s in large) < 0.1
     assert report.peak_inflight_bytes >= 4 * MiB  # a large tensor's buffer
+
+
+async def test_a_stream_with_destinations_scatters_off_the_loop(write: Callable[..., Path]) -> None:
+    """Pairs (no bridge): a run of small tensors with destinations is scattered on a thread,
+    and each pair is its destination, filled."""
+    from aload.pipeline import TensorStream
+
+    tensors = {f"t{i}": torch.full((16,), float(i)) for i in range(300)}
+    path = write(tensors)
+    dests = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    async with TensorStream(path, destinations=lambda name, spec: dests[name]) as s:
+        got = {name: t async for name, t in s}
+        assert s.stats.direct_bytes == sum(v.nbytes for v in tensors.values())
+    assert all(got[k] is dests[k] and torch.equal(dests[k], v) for k, v in tensors.items())
