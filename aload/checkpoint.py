@@ -27,8 +27,9 @@ INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 #: First request for a header; grown once when the header is larger.
 HEADER_PROBE_BYTES = 64 * 1024
-#: Headers larger than this are parsed off the event loop.
-_INLINE_PARSE_BYTES = 64 << 10
+#: Headers larger than this are parsed off the event loop: ~1.4 ms per 64 KB (552 tensors) here,
+#: and on the loop a parse holds it for all of that (DeepSeek-V3's 163 shards, p99 4.6-7.8 ms).
+_INLINE_PARSE_BYTES = 16 << 10
 #: Reads in flight: one per core, at least 2, at most 8. Measured on 2 cores (docs/benchmarks.md):
 #: 2 reads gave the best cold throughput and kept loop lateness p99 under 3 ms; 4 gained ~5% warm
 #: and doubled the lateness.
@@ -163,7 +164,10 @@ async def _read_shards(store: Store, names: list[str]) -> list[Shard]:
     """Every shard's header: all read first (16 at a time), then each parsed in turn, the loop
     free between two. Parsing each as its read came back, on the loop while the read threads
     came and went for the GIL, left the loop 5-14 ms late again and again: 89,820 tensors in
-    163 shards, warm, p99 8.5 -> 4.3 ms; 64 shards, 5.6 -> 3.4 ms; throughput the same."""
+    163 shards, warm, p99 8.5 -> 4.3 ms; 64 shards, 5.6 -> 3.4 ms; throughput the same. All of
+    them in one call on a thread was worse again (p99 8.5-11 ms): with the loop and another
+    thread running Python (the model's walk) on 2 cores, the pauses of ``paced`` came and went
+    before the loop was back on a core; a return to the loop after each header cannot be missed."""
     gate = asyncio.Semaphore(16)
 
     async def head(name: str) -> tuple[Source, int, bytes]:
