@@ -566,7 +566,7 @@ class LocalSource(Source):
         # None where only the whole file was looked at (mincore), or not yet.
         self._cached_before: list[int] | None = None
         self._deciding: asyncio.Future[bool] | None = None  # working that out, on a thread
-        self.scatters = _IOVEC_OK and self.can_map
+        self.scatters = _IOVEC_OK  # both read modes: a buffered preadv into the destinations
 
     def _open(self) -> int:
         if self._fd is None:
