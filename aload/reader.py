@@ -141,7 +141,10 @@ def prefault(arr: np.ndarray[Any, Any], start: int, end: int) -> None:
 def _host_array(n: int, pin: bool) -> np.ndarray[Any, Any]:
     if pin:
         return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
-    return np.empty(n, dtype=np.uint8)
+    # Page-aligned, so that a file on disk can be read into it with O_DIRECT (``read_frame``).
+    raw = np.empty(n + _ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % _ALIGN
+    return raw[skip : skip + n]
 
 
 #: Where a lease's memory comes from.
@@ -150,15 +153,19 @@ ARENA, OUTSIDE, MAPPED = "arena", "outside", "mapped"
 
 class Lease:
     """Host memory holding one unit: a region of the arena, a fresh allocation, or a view of a
-    mapped file (zero copy; ``populated`` by the read). Released when its last view dies."""
+    mapped file (zero copy; ``populated`` by the read). Released when its last view dies. A unit
+    read by ``Source.read_frame`` has its ``frame``: the whole blocks of the file around it, of
+    which ``tensor`` is the unit's part."""
 
-    __slots__ = ("__weakref__", "kind", "nbytes", "start", "tensor")
+    __slots__ = ("__weakref__", "frame", "kind", "nbytes", "pad", "start", "tensor")
 
     def __init__(self, kind: str, start: int, nbytes: int, view: np.ndarray[Any, Any]) -> None:
         self.kind = kind
         self.start = start
         self.nbytes = nbytes
         self.tensor: torch.Tensor | None = torch.from_numpy(view)
+        self.frame: np.ndarray[Any, Any] | None = None
+        self.pad = 0  # where the unit starts in its frame
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -320,18 +327,34 @@ class Reader:
             return None
         if self._mappable(unit):
             return self._lease(MAPPED, unit.start, n, unit.source.view(unit.start, n), unit.source)
-        if n > cap:
-            return self._lease(OUTSIDE, 0, n, _host_array(n, self._pin))
-        start = self._arena.alloc(n)
-        if start is None:
-            return None
-        return self._lease(ARENA, start, n, self._arena.array()[start : start + n])
+        return self._buffer(unit, from_arena=n <= cap)
 
     def _overdraft(self, unit: Unit) -> Lease:
         self.stats.overdraft_bytes += unit.nbytes
         if self._mappable(unit):
             return self._lease(MAPPED, unit.start, unit.nbytes, unit.source.view(unit.start, unit.nbytes), unit.source)
-        return self._lease(OUTSIDE, 0, unit.nbytes, _host_array(unit.nbytes, self._pin))
+        lease = self._buffer(unit, from_arena=False)
+        assert lease is not None  # a fresh allocation always succeeds
+        return lease
+
+    def _buffer(self, unit: Unit, from_arena: bool) -> Lease | None:
+        """A region of the arena (None when none is free) or a fresh allocation for ``unit``: the
+        whole blocks of the file around it where the source reads straight into them."""
+        n = unit.nbytes
+        align = 0 if self._pin else unit.source.frame_align(unit.start, n)
+        pad = unit.start % align if align else 0
+        size = -(-(pad + n) // align) * align if align else n
+        if from_arena:
+            start = self._arena.alloc(size)
+            if start is None:
+                return None
+            kind, memory = ARENA, self._arena.array()[start : start + size]
+        else:
+            kind, start, memory = OUTSIDE, 0, _host_array(size, self._pin)
+        lease = self._lease(kind, start, size, memory[pad : pad + n])
+        if align:
+            lease.frame, lease.pad = memory, pad
+        return lease
 
     def _lease(self, kind: str, start: int, n: int, view: np.ndarray[Any, Any], source: Source | None = None) -> Lease:
         lease = Lease(kind, start, n, view)
@@ -397,6 +420,10 @@ class Reader:
             return
         if lease is not None and lease.kind != MAPPED:
             await self._prefault(lease)
+        if lease is not None and lease.frame is not None:
+            frame = memoryview(lease.frame)  # type: ignore[arg-type]
+            await self._read_frame(unit, frame, lease.pad, self._buffered(unit))
+            return
         if lease is not None and lease.kind == MAPPED:
             buf = None  # zero copy: reading is bringing the file's pages in
         else:
@@ -450,7 +477,8 @@ class Reader:
             return
         if lease.kind == OUTSIDE:
             assert lease.tensor is not None
-            await self._helper.run(prefault, lease.tensor.numpy(), 0, lease.nbytes)
+            memory = lease.frame if lease.frame is not None else lease.tensor.numpy()
+            await self._helper.run(prefault, memory, 0, lease.nbytes)
         elif lease.start + lease.nbytes > self._arena.warm:
             lo, hi = max(lease.start, self._arena.warm), lease.start + lease.nbytes
             self._arena.warm = max(self._arena.warm, hi)
@@ -462,11 +490,28 @@ class Reader:
                 await unit.source.populate(unit.start + off, n)
             else:
                 await unit.source.readinto(unit.start + off, buf[off : off + n])
+        self._count_read(n, buffered)
+
+    def _count_read(self, n: int, buffered: bool) -> None:
         if buffered:
             self._unread -= n
             self._changed.set()
         self.stats.bytes_read += n
         self.stats.reads += 1
+
+    async def _read_frame(self, unit: Unit, frame: memoryview, pad: int, buffered: bool) -> None:
+        """A unit read straight into its ``frame`` (``Source.read_frame``), in chunks of whole
+        blocks that start where the file's blocks do; each counts the unit's bytes it holds."""
+        need, base = pad + unit.nbytes, unit.start - pad
+        step = max(_ALIGN, self._chunk // _ALIGN * _ALIGN)
+
+        async def chunk(off: int) -> None:
+            end = min(off + step, len(frame))
+            async with self._gate:
+                await unit.source.read_frame(base + off, frame[off:end], min(end, need) - off)
+            self._count_read(min(end, need) - max(off, pad), buffered)
+
+        await asyncio.gather(*(chunk(off) for off in range(0, need, step)))
 
     # -- delivery -------------------------------------------------------------------------
     async def units(self) -> AsyncIterator[tuple[Unit, UnitView | None]]:
