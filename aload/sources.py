@@ -642,26 +642,25 @@ class LocalSource(Source):
         pieces = [(offset + o, frame[o : o + step], min(step, need - o)) for o in range(0, need, step)]
         await self._direct_pool.run_all(self._read_aligned, pieces)
 
-    def _read_aligned(self, offset: int, buf: memoryview, need: int) -> None:
+    def _read_aligned(self, offset: int, buf: memoryview, need: int, wanted: tuple[int, int] | None = None) -> None:
         """At least the first ``need`` bytes of the aligned ``buf`` from the aligned ``offset``,
-        with ``O_DIRECT`` into ``buf`` itself; its rest is slack the file may end in."""
-        dfd, got = self._dfd, 0
+        with ``O_DIRECT`` into ``buf`` itself; its rest is slack the file may end in. Errors name
+        ``wanted``, the bytes asked for (by default those ``need``)."""
+        wanted = wanted or (offset, offset + need)
+        got = 0
         while got < need:
+            dfd = self._dfd
             if not self._direct or dfd is None:  # refused by an earlier read
                 return _pread_into(self._fd, buf[got:need], offset + got, self.url)  # type: ignore[arg-type]
             try:
                 r = os.preadv(dfd, [buf[got:]], offset + got)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
-                    raise SourceError(
-                        f"read failed: {exc.strerror}", url=self.url, byte_range=(offset, offset + need)
-                    ) from exc
+                    raise SourceError(f"read failed: {exc.strerror}", url=self.url, byte_range=wanted) from exc
                 self._direct = False  # not for this file after all
                 continue
             if r == 0:
-                raise SourceError(
-                    f"file ended at byte {offset + got}", url=self.url, byte_range=(offset, offset + need)
-                )
+                raise SourceError(f"file ended at byte {offset + got}", url=self.url, byte_range=wanted)
             got += r
             if got % _ALIGN and got < need:  # a short read mid-file: finish buffered
                 return _pread_into(self._fd, buf[got:need], offset + got, self.url)  # type: ignore[arg-type]
@@ -776,29 +775,13 @@ class LocalSource(Source):
         """``buf`` from the file with ``O_DIRECT``: the aligned range around it into this thread's
         buffer, then copied out. A filesystem that refuses the alignment gets buffered reads."""
         assert _libc is not None
-        dfd, n = self._dfd, len(buf)
-        if not self._direct or dfd is None:  # refused by an earlier read
+        n = len(buf)
+        if not self._direct or self._dfd is None:  # refused by an earlier read
             return _pread_into(self._fd, buf, offset, self.url)  # type: ignore[arg-type]
         lo = offset - offset % _ALIGN
         span = -(-(offset + n - lo) // _ALIGN) * _ALIGN
         bounce, addr = _bounce_buffer(span)
-        got = 0
-        while lo + got < offset + n:
-            try:
-                r = os.preadv(dfd, [bounce[got:span]], lo + got)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise SourceError(
-                        f"read failed: {exc.strerror}", url=self.url, byte_range=(offset, offset + n)
-                    ) from exc
-                self._direct = False  # not for this file after all
-                return _pread_into(self._fd, buf, offset, self.url)  # type: ignore[arg-type]
-            if r == 0:
-                raise SourceError(f"file ended at byte {lo + got}", url=self.url, byte_range=(offset, offset + n))
-            got += r
-            if got % _ALIGN and lo + got < offset + n:  # a short read mid-file: finish buffered
-                _pread_into(self._fd, bounce[got : offset + n - lo], lo + got, self.url)  # type: ignore[arg-type]
-                break
+        self._read_aligned(lo, bounce[:span], offset + n - lo, (offset, offset + n))
         dst = np.frombuffer(buf, dtype=np.uint8)
         _libc.memcpy(dst.ctypes.data, addr + (offset - lo), n)
         return None
