@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._threads import PAUSE_AFTER_S, run_in_thread
+from ._threads import PAUSE_AFTER_S
 from .errors import UsageError
 from .integrity import ShardHash
 from .plan import Item, Plan, Unit
@@ -276,7 +276,7 @@ class Reader:
         # mapped from a file take no buffer and are not held back.
         self._window = min(max_inflight_bytes, 2 * concurrency * chunk_bytes)
         self._unread = 0  # bytes of leased buffers not yet read into
-        self._helper = IOPool(1)  # one thread for prefaults, started on first use
+        self._helper = IOPool(1)  # one thread for prefaults (and a stream's scatters), started on first use
 
     # -- budget ---------------------------------------------------------------------------
     def poke(self) -> None:
@@ -418,11 +418,12 @@ class Reader:
             self.stats.reads += 1
             self.stats.direct_bytes += unit.nbytes
             return
+        buffered = self._buffered(unit)
         if lease is not None and lease.kind != MAPPED:
             await self._prefault(lease)
         if lease is not None and lease.frame is not None:
             frame = memoryview(lease.frame)  # type: ignore[arg-type]
-            await self._read_frame(unit, frame, lease.pad, self._buffered(unit))
+            await self._read_frame(unit, frame, lease.pad, buffered)
             return
         if lease is not None and lease.kind == MAPPED:
             buf = None  # zero copy: reading is bringing the file's pages in
@@ -431,7 +432,6 @@ class Reader:
             assert target is not None
             buf = _byte_view(target)
         del lease
-        buffered = self._buffered(unit)
         # Bytes in the page cache come in one piece (a mapped unit's then costs one length check,
         # not a task per chunk on the loop: 4 GiB warm through load_weights made 253 of them).
         piece = unit.source.piece_bytes(self._chunk, unit.start, unit.nbytes)
@@ -540,8 +540,8 @@ class Reader:
         clock = time.perf_counter
         due = clock() + PAUSE_AFTER_S
         async for unit, base in self.units():
-            if unit.scatter:  # a bridge does this on its consumer's thread; here, off the loop
-                await run_in_thread(unit.source.scatter_into, unit.start, [item.dest for item in unit.items])
+            if unit.scatter:  # a bridge does this on its consumer's thread; here, on the helper's
+                await self._helper.run(unit.source.scatter_into, unit.start, [item.dest for item in unit.items])
             for item in unit.items:
                 if not item.skip:
                     self.account(unit, item.spec.nbytes, 1)
