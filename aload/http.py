@@ -1,7 +1,8 @@
 """HTTP(S) sources: concurrent ranged GETs, every response checked, the object pinned by its
-ETag for the whole load, retries with backoff that resume where a body broke off. Ranged GETs go
-through ``wire`` (the body received straight into its destination); an index, and any response
-``wire`` does not read, through aiohttp.
+ETag for the whole load, retries with backoff that resume where a body broke off. Requests go
+through ``wire`` (a ranged GET's body received straight into its destination); a response
+``wire`` does not read (an encoded body, one through a proxy) through aiohttp, imported then, on
+a thread: an ``http://`` load that never needs it does not import it (~150 ms holding the GIL).
 
 A URL naming a ``.safetensors`` object is one shard; any other URL is a checkpoint "folder":
 ``model.safetensors.index.json`` first, else ``model.safetensors`` (HTTP has no listing).
@@ -11,21 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import random
 import re
 import ssl
+import sys
+import urllib.request
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
-
-import aiohttp
 
 from . import wire
 from ._threads import run_in_thread
 from .errors import SourceError, UsageError
 from .sources import Source, Store
+
+if TYPE_CHECKING:
+    import aiohttp
 
 #: Attempts per request (the first included) before giving up with the last cause.
 DEFAULT_RETRIES = 5
@@ -49,6 +54,21 @@ log = logging.getLogger("aload")
 
 class _Retry(Exception):
     """A failure worth another attempt (connection, timeout, 5xx, 429, short body)."""
+
+
+def warm() -> None:
+    """aiohttp, imported now if the environment names a proxy for HTTP(S), which sends requests
+    through it (``aload.preload``); a load ``wire`` reads whole never imports it."""
+    proxies = urllib.request.getproxies()
+    if proxies.get("http") or proxies.get("https"):
+        importlib.import_module("aiohttp")
+
+
+def _errors(*classes: type[BaseException], aiohttp: tuple[str, ...] = ()) -> tuple[type[BaseException], ...]:
+    """``classes`` and the exception classes of aiohttp named, for an ``except``; those only if
+    aiohttp was imported (if not, nothing can have raised them)."""
+    module = sys.modules.get("aiohttp")
+    return classes + (tuple(getattr(module, name) for name in aiohttp) if module is not None else ())
 
 
 async def backoff(attempt: int) -> None:
@@ -212,12 +232,12 @@ class HttpSource(Source):
                     if resp.status in RETRY_STATUS:
                         raise _Retry(f"{resp.status} {resp.reason}")
                     return await handle(resp)
-            except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError, ssl.SSLError) as exc:
+            except _errors(ssl.SSLError, aiohttp=("ClientConnectorCertificateError", "ClientSSLError")) as exc:
                 raise SourceError(
                     f"TLS certificate not trusted ({exc.__class__.__name__}); pass ca_bundle= for a private CA",
                     url=self.url,
                 ) from exc
-            except (_Retry, wire.WireError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except _errors(_Retry, wire.WireError, asyncio.TimeoutError, aiohttp=("ClientError",)) as exc:
                 cause = exc
                 log.warning(
                     "%s bytes [%d, %d): attempt %d of %d failed: %s",
@@ -296,9 +316,11 @@ class HttpStore(Store):
             self._ssl = await run_in_thread(_tls_context, self._ca)
 
     @contextlib.asynccontextmanager
-    async def fetch(self, url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
+    async def fetch(self, url: str, headers: dict[str, str], sticky: bool = True) -> AsyncIterator[Any]:
         """A GET's response (``wire``'s, or aiohttp's where ``wire`` does not read the answers),
-        its status and headers read, the body not yet."""
+        its status and headers read, the body not yet. An answer ``wire`` cannot read sends the
+        store's later requests to aiohttp too, or, not ``sticky``, only this one (an index a
+        server sends chunked says nothing about how it answers ranged GETs)."""
         if self._wire_ok:
             if self._wire is None:
                 self._wire = wire.Client(limit=self._concurrency + 2, timeout=self._timeout, ssl_context=self._ssl)
@@ -306,8 +328,8 @@ class HttpStore(Store):
             try:
                 resp = await client.open(url, {**self._headers, **headers})
             except wire.Unsupported as exc:
-                log.info("%s: %s; reading through aiohttp from now on", self.url, exc)
-                self._wire_ok = False
+                log.info("%s: %s; reading through aiohttp%s", self.url, exc, " from now on" if sticky else "")
+                self._wire_ok = not sticky
             else:
                 try:
                     yield resp
@@ -317,14 +339,23 @@ class HttpStore(Store):
         async with self._get(url, headers) as plain:
             yield plain
 
-    def _get(self, url: str, headers: dict[str, str] | None = None) -> Any:
+    @contextlib.asynccontextmanager
+    async def _get(self, url: str, headers: dict[str, str]) -> AsyncIterator[aiohttp.ClientResponse]:
         """aiohttp's GET of ``url``, through the proxy the environment names for it, credentials
         in its URL included (aiohttp sends them to the proxy alone, on the request or on the
         ``CONNECT``); that proxy then serves every redirect of it."""
-        return self.session().get(url, headers=headers, proxy=self._proxy(url))
+        session = await self.session()
+        async with session.get(url, headers=headers, proxy=self._proxy(url)) as resp:
+            yield resp
 
-    def session(self) -> aiohttp.ClientSession:
+    async def session(self) -> aiohttp.ClientSession:
         if self._session is None:
+            if "aiohttp" not in sys.modules:  # ~150 ms of imports holding the GIL: not on the loop
+                await run_in_thread(importlib.import_module, "aiohttp")
+                if self._session is not None:  # another request made it meanwhile
+                    return self._session
+            import aiohttp
+
             ssl_ctx: Any = self._ssl if self._ssl is not None else (_tls_context(self._ca) if self._ca else True)
             self._session = aiohttp.ClientSession(
                 headers=self._headers,
@@ -359,13 +390,18 @@ class HttpStore(Store):
         for attempt in range(self.retries):
             await backoff(attempt)
             try:
-                async with self._get(url) as resp:
+                async with self.fetch(url, {"Accept-Encoding": "identity"}, sticky=False) as resp:
                     if resp.status == 404:
                         return None
                     if resp.status in RETRY_STATUS:
                         continue
                     if resp.status != 200:
                         raise SourceError(f"{resp.status} {resp.reason}", url=redact(url))
+                    length = resp.headers.get("Content-Length")
+                    if length is not None and length.isdigit() and int(length) > limit:
+                        raise SourceError(f"{length} bytes, over the {limit}-byte limit for this file", url=redact(url))
+                    if isinstance(resp, wire.Response):  # exactly Content-Length bytes, or an error
+                        return await resp.read()
                     # The whole body: ``content.read(n)`` returns what has arrived so far, at most n
                     # bytes (an 8.7 MB index came back as its first ~128 KB).
                     chunks, got = [], 0
@@ -374,11 +410,10 @@ class HttpStore(Store):
                         if got > limit:
                             raise SourceError(f"larger than the {limit}-byte limit for this file", url=redact(url))
                         chunks.append(chunk)
-                    length = resp.headers.get("Content-Length")
                     if length is not None and int(length) != got:
                         continue  # the body broke off: again
                     return b"".join(chunks)
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except _errors(wire.WireError, asyncio.TimeoutError, aiohttp=("ClientError",)):
                 continue
         raise SourceError(f"gave up after {self.retries} attempts", url=redact(url))
 

@@ -8,7 +8,7 @@ tests; it misbehaves on request.
 200 with the whole object), "bad-range" (a Content-Range off by one), "trickle" (send slower than
 any sane timeout), "replace" (serve the object's replacement from now on: new bytes, new ETag),
 "redirect" (307 to the same name under ``redirect_base``, this server if unset), "chunked" (the
-ranged body with chunked transfer encoding, no Content-Length). ``ForwardProxy`` is a forward
+body, ranged or whole, with chunked transfer encoding, no Content-Length). ``ForwardProxy`` is a forward
 proxy on 127.0.0.1, for ``http_proxy``/``https_proxy``.
 """
 
@@ -35,6 +35,7 @@ class FileServer:
     redirect_base: str = ""  # where "redirect" sends a request ("": this server)
     url: str = ""
     authorizations: list[str | None] = field(default_factory=list)  # each request's Authorization
+    agents: list[str] = field(default_factory=list)  # each request's User-Agent
     connections: set[int] = field(default_factory=set)  # one id per connection that asked anything
     _etags: dict[str, str] = field(default_factory=dict)
 
@@ -51,6 +52,7 @@ class FileServer:
         name = request.match_info["name"]
         self.requests.append((request.method, name, request.headers.get("Range", "")))
         self.authorizations.append(request.headers.get("Authorization"))
+        self.agents.append(request.headers.get("User-Agent", ""))
         self.connections.add(id(request.transport))
         if self.auth is not None and request.headers.get("Authorization") != self.auth:
             return web.Response(status=403, text="forbidden")
@@ -72,6 +74,12 @@ class FileServer:
             return web.Response(status=412, text="precondition failed")
         m = re.fullmatch(r"bytes=(\d+)-(\d+)", request.headers.get("Range", ""))
         if m is None or fault == "ignore-range":
+            if fault == "chunked":
+                whole = web.StreamResponse(headers={"ETag": etag})
+                whole.enable_chunked_encoding()
+                await whole.prepare(request)
+                await whole.write(data)
+                return whole
             return web.Response(body=data, headers={"ETag": etag})
         first, last = int(m.group(1)), min(int(m.group(2)), len(data) - 1)
         if first >= len(data):  # nothing of the range exists (an empty object): 416, as nginx says

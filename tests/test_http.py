@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -225,7 +228,7 @@ async def test_ranged_reads_reuse_a_few_connections(folder: Path) -> None:
         srv.add_folder(folder)
         await collect(aload.stream(srv.url, chunk_bytes=MiB // 4, concurrency=2))
         ranged = [r for m, n, r in srv.requests if r]
-    assert len(ranged) >= 10 and len(srv.connections) <= 2 + 2 + 1  # + 1: aiohttp's, for the index
+    assert len(ranged) >= 10 and len(srv.connections) <= 2 + 2  # the index's GET among them
 
 
 async def test_redirects_are_followed_and_credentials_stay_with_their_origin(folder: Path) -> None:
@@ -259,6 +262,53 @@ async def test_a_chunked_answer_is_read_through_aiohttp(folder: Path) -> None:
         asked = [r for m, n, r in srv.requests if n == shard]
     assert all(torch.equal(remote[k], local[k]) for k in local)
     assert asked[0] == asked[1]  # the probe, asked again
+
+
+async def test_a_chunked_index_alone_is_read_through_aiohttp(folder: Path) -> None:
+    """An index sent chunked is asked again through aiohttp; the ranged reads stay on ``wire``
+    (how a server sends a small JSON file says nothing about its ranged answers)."""
+    local = await collect(aload.stream(folder))
+    index = "model.safetensors.index.json"
+    async with FileServer() as srv:
+        srv.add_folder(folder)
+        srv.faults[index] = ["chunked"]
+        remote = await collect(aload.stream(srv.url, chunk_bytes=MiB))
+        agents = list(zip(srv.requests, srv.agents, strict=True))
+    assert all(torch.equal(remote[k], local[k]) for k in local)
+    asked = [(n, a) for (m, n, r), a in agents if n == index]
+    assert [a.startswith("aload") for n, a in asked] == [True, False]  # asked again, through aiohttp
+    ranged = [a for (m, n, r), a in agents if r]
+    assert ranged and all(a == "aload" for a in ranged)
+
+
+async def test_a_load_over_http_does_not_import_aiohttp(folder: Path) -> None:
+    """A process's first ``http://`` load that ``wire`` reads whole imports no aiohttp: its
+    ~150 ms of imports, on a thread, would hold the GIL and the loop with it meanwhile."""
+    async with FileServer() as srv:
+        srv.add_folder(folder)
+        code = (
+            "import asyncio, sys, aload\n"
+            "async def main():\n"
+            f"    async with aload.stream({srv.url!r}) as s:\n"
+            "        n = sum([1 async for _ in s])\n"
+            "    print(n, 'aiohttp' in sys.modules)\n"
+            "asyncio.run(main())\n"
+        )
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    count, imported = out.decode().split()
+    assert int(count) == len(llama_like(hidden=128)) + 1 and imported == "False"
+
+
+@pytest.mark.parametrize("proxy", ["", "http://127.0.0.1:9"])
+def test_preload_imports_aiohttp_only_where_a_proxy_needs_it(proxy: str) -> None:
+    code = "import sys, aload; aload.preload('http'); print('aiohttp' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()} | ({"http_proxy": proxy} if proxy else {})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(bool(proxy))]
 
 
 async def test_a_cancelled_read_writes_nothing_more_into_its_buffer(folder: Path) -> None:
