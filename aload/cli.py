@@ -193,6 +193,28 @@ _VERIFY_HELP = (
 )
 
 
+def _source_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``load`` and ``bench`` both take: the checkpoint, how to read it, how to check it."""
+    parser.add_argument("path", help="a .safetensors file or a folder: a path, file://, http(s):// or s3:// URL")
+    parser.add_argument(
+        "--budget",
+        type=_size,
+        default=DEFAULT_MAX_INFLIGHT_BYTES,
+        help=f"max bytes in flight: bytes, or 512m, 1g (default {DEFAULT_MAX_INFLIGHT_BYTES >> 20}m)",
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=DEFAULT_CONCURRENCY, help="reads in flight (default %(default)s)"
+    )
+    parser.add_argument(
+        "--chunk-bytes",
+        type=_size,
+        default=DEFAULT_CHUNK_BYTES,
+        help=f"bytes per read: bytes, or 4m, 64m (default {DEFAULT_CHUNK_BYTES >> 20}m)",
+    )
+    parser.add_argument("--verify", metavar="MANIFEST", help=_VERIFY_HELP)
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aload", description="Stream safetensors checkpoints into PyTorch.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -200,37 +222,25 @@ def main(argv: list[str] | None = None) -> int:
     p_inspect.add_argument("path")
     p_inspect.add_argument("--json", action="store_true")
     p_load = sub.add_parser("load", help="stream the checkpoint (into --model if given) and print the report")
-    p_load.add_argument("path")
+    _source_arguments(p_load)
     p_load.add_argument("--model", help="module:callable returning the nn.Module to load into")
     p_load.add_argument("--non-strict", action="store_true", help="report missing/unexpected names instead of failing")
-    p_load.add_argument(
-        "--budget", type=_size, default=DEFAULT_MAX_INFLIGHT_BYTES, help="max bytes in flight (bytes, or 512m, 1g)"
-    )
-    p_load.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY)
-    p_load.add_argument("--chunk-bytes", type=_size, default=DEFAULT_CHUNK_BYTES)
-    p_load.add_argument("--json", action="store_true")
-    p_load.add_argument("--verify", metavar="MANIFEST", help=_VERIFY_HELP)
-    p_load.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p_load.add_argument("--json", action="store_true", help="print the report as JSON")
     p_bench = sub.add_parser(
         "bench", help="measure streaming your checkpoint: throughput, first tensor, memory, loop lateness"
     )
-    p_bench.add_argument("path")
-    p_bench.add_argument(
-        "--budget", type=_size, default=DEFAULT_MAX_INFLIGHT_BYTES, help="max bytes in flight (bytes, or 512m, 1g)"
-    )
-    p_bench.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY)
-    p_bench.add_argument("--chunk-bytes", type=_size, default=DEFAULT_CHUNK_BYTES)
+    _source_arguments(p_bench)
     p_bench.add_argument("--read", choices=("map", "pread"), help="local files: how to read (default map)")
     p_bench.add_argument("--sweep", action="store_true", help="try the grid below and report which setting did best")
     p_bench.add_argument(
-        "--budget-sweep", type=_sizes, default="128m,512m", help="budgets to try (bytes, or NNk/NNm/NNg)"
+        "--budget-sweep", type=_sizes, default="128m,512m", help="budgets to try (default %(default)s)"
     )
-    p_bench.add_argument("--concurrency-sweep", default="1,2,4,8")
-    p_bench.add_argument("--chunk-sweep", type=_sizes, default="4m,16m,64m")
-    p_bench.add_argument("--verify", metavar="MANIFEST", help=_VERIFY_HELP)
+    p_bench.add_argument("--concurrency-sweep", default="1,2,4,8", help="concurrencies to try (default %(default)s)")
+    p_bench.add_argument(
+        "--chunk-sweep", type=_sizes, default="4m,16m,64m", help="chunk sizes to try (default %(default)s)"
+    )
     p_bench.add_argument("--repeat", type=int, default=1, help="stream it this many times in one process")
     p_bench.add_argument("--json", help="write the row(s) here, one JSON object per line")
-    p_bench.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     commands = {"inspect": _inspect, "load": _load, "bench": _bench}
     try:

@@ -59,6 +59,18 @@ def test_bench_prints_figures_and_writes_rows(tmp_path: Path) -> None:
         assert key in row
 
 
+def test_bench_drops_each_tensor_before_asking_for_the_next(tmp_path: Path) -> None:
+    """Tensors larger than the budget are each read alone, none outside the budget: holding the
+    previous one while waiting (a loop variable does) made every one of them an overdraft."""
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.randn(1 << 18) for i in range(4)}, str(path))  # 1 MiB each
+    out = tmp_path / "rows.jsonl"
+    done = run("bench", str(path), "--json", str(out), "--budget", "256k", "-q")
+    assert done.returncode == 0, done.stderr
+    row = json.loads(out.read_text())
+    assert row["tensors"] == 4 and row["overdraft_bytes"] == 0
+
+
 def test_bench_says_how_much_of_a_local_checkpoint_the_page_cache_held(tmp_path: Path) -> None:
     """A local figure is memory's speed when the page cache held the files, the disk's when not:
     ``aload bench`` says which (``cachestat(2)``; nothing where the kernel refuses it)."""
