@@ -434,7 +434,7 @@ class Reader:
         del lease
         # Bytes in the page cache come in one piece (a mapped unit's then costs one length check,
         # not a task per chunk on the loop: 4 GiB warm through load_weights made 253 of them).
-        piece = unit.source.piece_bytes(self._chunk, unit.start, unit.nbytes)
+        piece = unit.source.piece_bytes(self._chunk, unit.start, unit.nbytes, mapped=buf is None)
         await asyncio.gather(*(self._read_chunk(unit, buf, off, n, buffered) for off, n in unit.chunks(piece)))
         if unit.dest is not None:
             self.stats.direct_bytes += unit.nbytes

@@ -191,6 +191,26 @@ async def test_a_warm_file_is_copied_in_large_pieces(write: Callable[..., Path])
             assert bytes(buf) == st.get_tensor("w").numpy().tobytes()
 
 
+async def test_a_view_partly_evicted_is_populated_in_chunks(write: Callable[..., Path]) -> None:
+    """A tensor mostly in the page cache is mapped, but the part of it on disk is brought in by
+    several populates at once: in one large piece, one thread read it in."""
+    path = write({"w": torch.ones(4096, 1024)})  # 16 MiB: four of the windows the cache is judged by
+    path.read_bytes()
+    if not cached(path):
+        pytest.skip("the file did not stay in the page cache")
+    start = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    n = path.stat().st_size - start
+    drop_cache(path, 0, 4 * MiB)  # the first window out, the header with it
+    async with opened(path) as src:
+        await src.ready()
+        if src._share_at(start, n) >= 0.99:
+            pytest.skip("the page cache kept the range")
+        assert src.maps(start, n)  # three quarters cached: mapped
+        assert src.piece_bytes(MiB, start, n, mapped=True) == MiB
+        assert src.piece_bytes(MiB, 8 * MiB, 4 * MiB, mapped=True) == WARM_PIECE_BYTES  # a cached part alone
+        assert src.piece_bytes(MiB, start, n) == WARM_PIECE_BYTES  # copied out: its misses asked for ahead
+
+
 async def test_whether_each_shard_is_cached_is_worked_out_off_the_event_loop(
     sharded: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
