@@ -728,8 +728,7 @@ class LocalSource(Source):
         of it is cached; the pages it misses are then brought in by several populates at once (in
         one, a view a tenth on disk made a partly evicted 1 GiB load through ``load_weights``
         0.21 -> 0.37 s)."""
-        share = self._share_at(offset, length)
-        whole = share >= (_ALL_CACHED if mapped else WARM_SHARE)
+        whole = self._share_at(offset, length) >= _ALL_CACHED if mapped else self._in_cache(offset, length)
         return max(chunk_bytes, WARM_PIECE_BYTES) if whole else chunk_bytes
 
     async def ready(self) -> None:
