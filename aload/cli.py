@@ -82,6 +82,8 @@ async def _load(args: argparse.Namespace) -> int:
     )
     if args.verify:
         opts["verify"] = args.verify
+    if args.read:
+        opts["read"] = args.read
     if args.model:
         report = await load(_factory(args.model), args.path, strict=not args.non_strict, **opts)
         row: dict[str, Any] = asdict(report)
@@ -211,6 +213,12 @@ def _source_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_CHUNK_BYTES,
         help=f"bytes per read: bytes, or 4m, 64m (default {DEFAULT_CHUNK_BYTES >> 20}m)",
     )
+    parser.add_argument(
+        "--read",
+        choices=("map", "shared", "pread"),
+        help="local files: how to read them (default map; shared: the disk through the page cache, for"
+        " several processes loading the same files at once)",
+    )
     parser.add_argument("--verify", metavar="MANIFEST", help=_VERIFY_HELP)
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
@@ -230,7 +238,6 @@ def main(argv: list[str] | None = None) -> int:
         "bench", help="measure streaming your checkpoint: throughput, first tensor, memory, loop lateness"
     )
     _source_arguments(p_bench)
-    p_bench.add_argument("--read", choices=("map", "pread"), help="local files: how to read (default map)")
     p_bench.add_argument("--sweep", action="store_true", help="try the grid below and report which setting did best")
     p_bench.add_argument(
         "--budget-sweep", type=_sizes, default="128m,512m", help="budgets to try (default %(default)s)"

@@ -338,9 +338,12 @@ def _pread_into(fd: int, buf: memoryview, offset: int, url: str) -> None:
 
 #: Local read modes. "map": units without a known destination are handed out as views of a
 #: private (copy-on-write) mapping of the file, with no copy and no anonymous memory; the read
-#: brings their pages in ahead of the consumer. "pread": every unit is read into a buffer. Reads
-#: straight into a known destination use os.preadv in both modes.
-READ_MODES = ("map", "pread")
+#: brings their pages in ahead of the consumer; bytes on disk are read with O_DIRECT. "shared": as
+#: "map", but bytes on disk come in through the page cache too (never O_DIRECT), so that processes
+#: loading the same files at once (tensor-parallel ranks on one host) read each page from the disk
+#: once between them. "pread": every unit is read into a buffer. Reads straight into a known
+#: destination use os.preadv in every mode.
+READ_MODES = ("map", "shared", "pread")
 _PAGE = mmap.PAGESIZE
 
 
@@ -565,9 +568,13 @@ class LocalSource(Source):
 
     def __init__(self, path: str, pool: IOPool, mode: str, direct_pool: IOPool | None = None) -> None:
         self.url = path
-        self.can_map = mode == "map" and _libc is not None
+        self.can_map = mode in ("map", "shared") and _libc is not None
+        # "shared": a file not all in the page cache when first read comes into a destination by the
+        # kernel's copy, cached parts too (with two processes reading the same files, a copy out
+        # of the mapping of pages the other had just brought in ran at half that speed here).
+        self._shared = mode == "shared"
         self._pool = pool
-        self._direct_pool = direct_pool if self.can_map and hasattr(os, "O_DIRECT") else None
+        self._direct_pool = direct_pool if self.can_map and mode == "map" and hasattr(os, "O_DIRECT") else None
         self._fd: int | None = None
         self._dfd: int | None = None  # the same file opened with O_DIRECT
         self._direct = False  # whether reads go through _dfd: it opened, and no read was refused
@@ -622,7 +629,9 @@ class LocalSource(Source):
             await self._pool.run(_pread_into, self._fd, buf, offset, self.url)
             return
         await self._decided()
-        if self._in_cache(offset, n) or not self._direct:
+        if self._shared and not self._warm:
+            await self._pool.run(_pread_into, self._fd, buf, offset, self.url)
+        elif self._in_cache(offset, n) or not self._direct:
             await self._pool.run(self._copy_out, offset, buf)
         else:
             assert self._direct_pool is not None  # _direct: the file opened with O_DIRECT in it

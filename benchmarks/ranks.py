@@ -1,19 +1,21 @@
 """Several processes loading the same checkpoint at once, as tensor-parallel ranks on one host do
 (each reads every shard and keeps its slice), from a cold page cache.
 
-    python benchmarks/ranks.py CHECKPOINT_DIR [--procs 2,4] [--loaders aload,aload_pread,safe_open] [--reps 2]
+    python benchmarks/ranks.py CHECKPOINT_DIR [--procs 2,4] [--loaders aload,aload_shared,aload_pread,safe_open] [--reps 2]
 
 For each count and loader: the shards are dropped from the page cache, then that many processes,
 each holding a preallocated model, start loading at the same moment. Prints each process's
-seconds and the delivered GB/s (processes x checkpoint bytes / the slowest process's time).
+seconds, the delivered GB/s (processes x checkpoint bytes / the slowest process's time) and the
+bytes read from the disk meanwhile (the block device's counter, where the folder sits on one).
 ``aload`` reads a cold file with O_DIRECT, so every process reads every byte from the disk;
-``aload_pread`` (``read="pread"``) and ``safe_open`` go through the page cache, where the first
-reader of a page brings it in for all of them.
+``aload_shared`` (``read="shared"``), ``aload_pread`` (``read="pread"``) and ``safe_open`` go
+through the page cache, where the first reader of a page brings it in for all of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -25,7 +27,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.suite import drop_cache, shards  # noqa: E402
 
-LOADERS = ("aload", "aload_pread", "safe_open")
+LOADERS = ("aload", "aload_shared", "aload_pread", "safe_open")
 
 CHILD = r"""
 import asyncio, sys, time
@@ -41,7 +43,8 @@ while time.time() < start:
     time.sleep(0.001)
 t0 = time.perf_counter()
 if loader.startswith("aload"):
-    asyncio.run(aload.load(model, folder, **({"read": "pread"} if loader == "aload_pread" else {})))
+    read = loader.partition("_")[2]  # aload_shared, aload_pread: that read mode
+    asyncio.run(aload.load(model, folder, **({"read": read} if read else {})))
 else:
     for f in shards(folder):
         with safe_open(str(f), "pt") as st:
@@ -49,6 +52,16 @@ else:
                 params[k].data.copy_(st.get_tensor(k))
 print(time.perf_counter() - t0)
 """
+
+
+def disk_read_bytes(folder: Path) -> int | None:
+    """Bytes read so far from the block device holding ``folder`` (None where there is none)."""
+    dev = os.stat(folder).st_dev
+    try:
+        with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
+            return int(f.read().split()[2]) * 512  # sectors read
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def run(folder: Path, loader: str, procs: int) -> list[float]:
@@ -83,12 +96,18 @@ def main() -> None:
     for procs in (int(p) for p in a.procs.split(",")):
         gbps: dict[str, list[float]] = {}
         for rep in range(a.reps):
-            for loader in a.loaders.split(","):
+            order = a.loaders.split(",")
+            for loader in order if rep % 2 == 0 else order[::-1]:  # alternating, as the suite does
+                before = disk_read_bytes(a.folder)
                 times = run(a.folder, loader, procs)
+                after = disk_read_bytes(a.folder)
+                disk = ""
+                if before is not None and after is not None:
+                    disk = f", {(after - before) / size:.2f}x the checkpoint from disk"
                 gbps.setdefault(loader, []).append(procs * size / max(times) / 1e9)
                 print(
-                    f"  {procs} processes, rep {rep + 1}, {loader:>11}: each "
-                    f"{' '.join(f'{t:.2f}' for t in times)} s, {gbps[loader][-1]:.2f} GB/s delivered",
+                    f"  {procs} processes, rep {rep + 1}, {loader:>12}: each "
+                    f"{' '.join(f'{t:.2f}' for t in times)} s, {gbps[loader][-1]:.2f} GB/s delivered{disk}",
                     flush=True,
                 )
         line = ", ".join(f"{ld} {statistics.median(v):.2f}" for ld, v in gbps.items())

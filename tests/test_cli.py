@@ -29,6 +29,21 @@ def test_inspect_and_load(tmp_path: Path) -> None:
     assert "100.0%" in done.stderr  # the progress bar reached the end
 
 
+def test_load_and_bench_take_a_read_mode(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(256, 1024), "b": torch.zeros(3)}, str(path))
+    drop_cache(path)
+    loaded = run("load", str(path), "--read", "shared", "-q", "--json")
+    assert loaded.returncode == 0, loaded.stderr
+    assert json.loads(loaded.stdout)["bytes"] == 256 * 1024 * 4 + 12
+    rows = tmp_path / "rows.jsonl"
+    benched = run("bench", str(path), "--read", "shared", "-q", "--json", str(rows))
+    assert benched.returncode == 0, benched.stderr
+    assert json.loads(rows.read_text().splitlines()[0])["bytes"] == 256 * 1024 * 4 + 12
+    refused = run("load", str(path), "--read", "direct")
+    assert refused.returncode == 2 and "shared" in refused.stderr  # the choices, named
+
+
 def test_errors_are_one_line_and_name_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\xff" * 16)

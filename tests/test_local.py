@@ -127,6 +127,31 @@ async def test_a_cold_file_streams_through_buffers_within_the_budget(write: Call
     assert not cached(path)
 
 
+@pytest.mark.parametrize("into", ["parameters", "stream"])
+async def test_read_shared_brings_a_cold_file_in_through_the_page_cache(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, into: str
+) -> None:
+    """``read="shared"``: bytes on disk come in through the page cache, never with O_DIRECT, so
+    processes loading the same files at once read each page from the disk once between them."""
+    tensors = llama_like(hidden=1024, dtype=torch.bfloat16)
+    path = cold(write(tensors))
+
+    def direct(*args: Any) -> None:
+        raise AssertionError("an O_DIRECT read")
+
+    monkeypatch.setattr(LocalSource, "_read_aligned", direct)
+    monkeypatch.setattr(LocalSource, "_read_direct", direct)
+    if into == "parameters":
+        model = flat(tensors)
+        await aload.load(model, path, stages=aload.stages.rename(r"\.", "__"), read="shared")
+        got = {k: getattr(model, k.replace(".", "__")) for k in tensors}
+    else:
+        async with aload.stream(path, max_inflight_bytes=4 * MiB, read="shared") as s:
+            got = {name: t.clone() async for name, t in s}
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert cached(path)  # the whole file, left in the page cache for the next reader
+
+
 async def test_direct_reads_at_unaligned_ranges_give_the_file_s_bytes(tmp_path: Path) -> None:
     data, path = cold_blob(tmp_path, 5 * MiB + 12345, seed=0)
     async with opened(path) as src:
