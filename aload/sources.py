@@ -344,6 +344,8 @@ def _pread_into(fd: int, buf: memoryview, offset: int, url: str) -> None:
 #: once between them. "pread": every unit is read into a buffer. Reads straight into a known
 #: destination use os.preadv in every mode.
 READ_MODES = ("map", "shared", "pread")
+#: The environment variable that sets the read mode of loads that do not pass ``read``.
+READ_ENV = "ALOAD_READ"
 _PAGE = mmap.PAGESIZE
 
 
@@ -864,7 +866,11 @@ class LocalSource(Source):
 class LocalStore(Store):
     """A local ``.safetensors`` file or a folder of them."""
 
-    def __init__(self, url: str, *, concurrency: int, read: str = "map") -> None:
+    def __init__(self, url: str, *, concurrency: int, read: str | None = None) -> None:
+        if read is None:  # an operator's choice for every load of the process, e.g. each rank's
+            read = os.environ.get(READ_ENV) or "map"
+            if read not in READ_MODES:
+                raise UsageError(f"{READ_ENV} must be one of {READ_MODES}, got {read!r}", url=url)
         if read not in READ_MODES:
             raise UsageError(f"read must be one of {READ_MODES}, got {read!r}", url=url)
         self.url = _path_from_url(url)

@@ -145,11 +145,24 @@ async def test_read_shared_brings_a_cold_file_in_through_the_page_cache(
         model = flat(tensors)
         await aload.load(model, path, stages=aload.stages.rename(r"\.", "__"), read="shared")
         got = {k: getattr(model, k.replace(".", "__")) for k in tensors}
-    else:
-        async with aload.stream(path, max_inflight_bytes=4 * MiB, read="shared") as s:
+    else:  # chosen by the operator, for loads that do not say
+        monkeypatch.setenv("ALOAD_READ", "shared")
+        async with aload.stream(path, max_inflight_bytes=4 * MiB) as s:
             got = {name: t.clone() async for name, t in s}
     assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
     assert cached(path)  # the whole file, left in the page cache for the next reader
+
+
+async def test_a_read_mode_from_the_environment_is_checked(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write({"w": torch.ones(4)})
+    monkeypatch.setenv("ALOAD_READ", "direct")
+    with pytest.raises(aload.UsageError, match="ALOAD_READ must be one of"):
+        async with aload.open(path):
+            pass
+    async with aload.open(path, read="pread") as ckpt:  # an explicit mode is not the environment's
+        assert list(ckpt.specs) == ["w"]
 
 
 async def test_direct_reads_at_unaligned_ranges_give_the_file_s_bytes(tmp_path: Path) -> None:
