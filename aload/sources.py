@@ -867,12 +867,11 @@ class LocalStore(Store):
     """A local ``.safetensors`` file or a folder of them."""
 
     def __init__(self, url: str, *, concurrency: int, read: str | None = None) -> None:
+        said = "read"
         if read is None:  # an operator's choice for every load of the process, e.g. each rank's
-            read = os.environ.get(READ_ENV) or "map"
-            if read not in READ_MODES:
-                raise UsageError(f"{READ_ENV} must be one of {READ_MODES}, got {read!r}", url=url)
+            read, said = os.environ.get(READ_ENV) or "map", READ_ENV
         if read not in READ_MODES:
-            raise UsageError(f"read must be one of {READ_MODES}, got {read!r}", url=url)
+            raise UsageError(f"{said} must be one of {READ_MODES}, got {read!r}", url=url)
         self.url = _path_from_url(url)
         self._read = read
         self._pool = IOPool(concurrency)
