@@ -1,6 +1,8 @@
 """aload: stream safetensors checkpoints into PyTorch models with asyncio."""
 
-from . import stages
+# The local store comes with aload (the common case: its first load then imports nothing on a
+# thread while the loop runs); the remote ones are imported when first used.
+from . import local, stages  # noqa: F401
 from .bridge import LoadCancelled
 from .checkpoint import Checkpoint, Shard, open
 from .errors import AloadError, CheckpointError, HeaderError, LoadError, SourceError, UsageError

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .local import cached_share
 from .pipeline import stream
 from .reader import Progress
-from .sources import cached_share
 
 
 def read_status(field_name: str) -> int:

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 from .checkpoint import DEFAULT_CONCURRENCY, open
 from .errors import AloadError
 from .loader import load
+from .local import READ_MODES
 from .pipeline import stream
 from .reader import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, Progress
 
@@ -215,7 +216,7 @@ def _source_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--read",
-        choices=("map", "shared", "pread"),
+        choices=READ_MODES,
         help="local files: how to read them (default map; shared: the disk through the page cache, for"
         " several processes loading the same files at once)",
     )

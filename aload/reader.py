@@ -28,11 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._syscalls import madvise_in_steps
 from ._threads import PAUSE_AFTER_S
 from .errors import UsageError
 from .integrity import ShardHash
 from .plan import Item, Plan, Unit
-from .sources import IOPool, Source, madvise_in_steps
+from .sources import IOPool, Source
 
 DEFAULT_MAX_INFLIGHT_BYTES = 512 * 1024 * 1024
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024

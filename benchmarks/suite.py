@@ -254,7 +254,7 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
 
     import aload
     from aload.bench import Probe
-    from aload.sources import cached_share
+    from aload.local import cached_share
 
     files = [str(p) for p in shards(folder)]
     model, params = preallocated_model(folder)

@@ -20,7 +20,10 @@ from safetensors import safe_open
 from torch import nn
 
 import aload
-from aload.sources import DIRECT_PIECE_BYTES, WARM_PIECE_BYTES, IOPool, LocalSource, _all_cached, _libc
+from aload import _syscalls, local
+from aload._syscalls import all_cached, libc, window_pages
+from aload.local import DIRECT_PIECE_BYTES, WARM_PIECE_BYTES, LocalSource
+from aload.sources import IOPool
 
 from .conftest import collect, drop_cache, llama_like
 
@@ -28,18 +31,16 @@ MiB = 1 << 20
 
 
 def needs_cachestat(path: Path) -> None:
-    from aload import sources
-
     fd = os.open(path, os.O_RDONLY)
     try:
-        if sources._window_pages(fd, path.stat().st_size, MiB) is None:
+        if window_pages(fd, path.stat().st_size, MiB) is None:
             pytest.skip("no cachestat(2) here")
     finally:
         os.close(fd)
 
 
 def cached(path: Path) -> bool:
-    return _all_cached(np.memmap(path, mode="r"))
+    return all_cached(np.memmap(path, mode="r"))
 
 
 def resident(path: Path, lo: int, hi: int) -> float:
@@ -48,8 +49,8 @@ def resident(path: Path, lo: int, hi: int) -> float:
     first, last = lo // page, -(-hi // page)
     m = np.memmap(path, mode="r")
     vec = np.zeros(last - first, dtype=np.uint8)
-    assert _libc is not None
-    assert _libc.mincore(m.ctypes.data + first * page, min(hi, m.nbytes) - first * page, vec.ctypes.data) == 0
+    assert libc is not None
+    assert libc.mincore(m.ctypes.data + first * page, min(hi, m.nbytes) - first * page, vec.ctypes.data) == 0
     return float(np.count_nonzero(vec & 1)) / len(vec)
 
 
@@ -282,13 +283,11 @@ async def test_what_the_page_cache_holds_decides_and_a_cold_file_is_never_mapped
     it, so a file read from the disk is never mapped; where the kernel or a seccomp filter refuses
     the call, ``mincore`` over a mapping of the file says it instead. A file partly cached is not
     cached as a whole (its parts are decided one by one: the test below)."""
-    from aload import sources
-
     if how == "mincore":
-        monkeypatch.setattr(sources, "_cachestat_ok", False)
+        monkeypatch.setattr(_syscalls, "_cachestat_ok", False)
     mapped: list[str] = []
-    real = sources._map_private
-    monkeypatch.setattr(sources, "_map_private", lambda fd, size, url: mapped.append(url) or real(fd, size, url))
+    real = local.map_private
+    monkeypatch.setattr(local, "map_private", lambda fd, size, url: mapped.append(url) or real(fd, size, url))
     tensors = {f"w{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB
     path = write(tensors)
     path.read_bytes()
@@ -317,18 +316,16 @@ async def test_a_file_partly_evicted_is_read_from_the_cache_where_it_is_and_from
     loses its oldest pages first). Each window of the file is decided on its own: the cached half
     comes from the mapping, the evicted half with O_DIRECT, past the page cache (before, the
     whole file counted as on disk and every byte came from the disk)."""
-    from aload import sources
-
     mapped: list[str] = []
-    real = sources._map_private
-    monkeypatch.setattr(sources, "_map_private", lambda fd, size, url: mapped.append(url) or real(fd, size, url))
+    real = local.map_private
+    monkeypatch.setattr(local, "map_private", lambda fd, size, url: mapped.append(url) or real(fd, size, url))
     tensors = {f"w{i:02d}": torch.full((256, 1024), float(i)) for i in range(16)}  # 1 MiB each
     path = write(tensors)
     size = path.stat().st_size
     path.read_bytes()
     needs_cachestat(path)
     drop_cache(path, size // 2)
-    front, back = (0, size // 2 - sources.CACHE_WINDOW_BYTES), (size // 2 + 4096, size)  # whole pages only
+    front, back = (0, size // 2 - local.CACHE_WINDOW_BYTES), (size // 2 + 4096, size)  # whole pages only
     if resident(path, *front) < 1 or resident(path, *back) > 0:
         pytest.skip("the page cache did not keep the first half and drop the second")
     if into == "stream":
@@ -355,8 +352,6 @@ async def test_a_tensor_partly_evicted_comes_from_the_cache_and_the_rest_through
     the page cache on a read thread first (whole-unit O_DIRECT cost more here; the 250 MiB
     embedding of a warm run missing 6 MiB was read from the disk whole). Below that share it is read
     from the disk (the test above)."""
-    from aload import sources
-
     direct: list[int] = []
     real = LocalSource._read_direct
     monkeypatch.setattr(
@@ -370,7 +365,7 @@ async def test_a_tensor_partly_evicted_comes_from_the_cache_and_the_rest_through
     drop_cache(path, hole[0], hole[1] - hole[0])
     if resident(path, *hole) > 0 or resident(path, 0, hole[0]) < 1:
         pytest.skip("the page cache did not drop just the hole")
-    assert sources.WARM_SHARE <= 0.6  # 66% of the tensor stays cached at worst
+    assert local.WARM_SHARE <= 0.6  # 66% of the tensor stays cached at worst
     if into == "stream":
         async with aload.stream(path) as s:
             got = {name: t.clone() async for name, t in s}

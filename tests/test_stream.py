@@ -14,6 +14,7 @@ import uvloop
 
 import aload
 from aload import stages as S
+from aload.local import LocalStore
 
 from .conftest import LOOP_BLOCK_LIMIT_S, LoopWatchdog, collect, llama_like
 
@@ -357,7 +358,7 @@ async def test_writing_into_a_handed_out_tensor_never_touches_the_file(write: Ca
 
 def test_unknown_read_mode_is_refused(tmp_path: Path) -> None:
     with pytest.raises(aload.UsageError, match="read must be one of"):
-        aload.sources.LocalStore(str(tmp_path), concurrency=2, read="mmap-ish")
+        LocalStore(str(tmp_path), concurrency=2, read="mmap-ish")
 
 
 class _Holder(torch.nn.Module):
