@@ -17,9 +17,9 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 
 from ._threads import CHECK_EVERY, Pacer
+from .arena import UnitView, cut
 from .pipeline import TensorStream
 from .plan import Item, Unit
-from .reader import UnitView, cut
 from .stages import Pair
 
 #: A waiting consumer is woken once this many pairs are ready, or when the pump next waits,

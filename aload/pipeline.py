@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
 from typing import Any
 
+from .arena import UnitView
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint, _open, run_off_loop
 from .errors import UsageError
 from .integrity import Manifest, ShardHash, digests_for
@@ -18,7 +19,6 @@ from .reader import (
     Progress,
     Reader,
     ReaderStats,
-    UnitView,
     _check_positive,
 )
 from .stages import Pair, Stage, split_for_plan

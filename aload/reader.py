@@ -4,7 +4,7 @@ Everything read and not yet released by the consumer counts against ``max_inflig
 a unit waits for budget before its reads start, and its bytes return to the budget when every
 tensor viewing them (and every view derived from those) is dead. A unit's memory (a ``Lease``) is
 a view of a mapped file when the source can map (zero copy; the read brings the pages in), else a
-region of one arena of ``max_inflight_bytes``, allocated once and reused, so pages are faulted in
+region of one arena of ``max_inflight_bytes`` (``aload.arena``), allocated once and reused, so pages are faulted in
 once per load instead of once per tensor. Units wait in a bounded ``asyncio.Queue`` in plan order.
 
 Two cases step outside the budget, one unit at a time, so a load never deadlocks:
@@ -17,8 +17,6 @@ Two cases step outside the budget, one unit at a time, so a load never deadlocks
 from __future__ import annotations
 
 import asyncio
-import bisect
-import sys
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -28,18 +26,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._syscalls import madvise_in_steps
 from ._threads import PAUSE_AFTER_S
+from .arena import ALIGN, ARENA, MAPPED, OUTSIDE, Arena, Lease, UnitView, byte_view, cut, host_array, prefault
 from .errors import UsageError
 from .integrity import ShardHash
-from .plan import Item, Plan, Unit
+from .plan import Plan, Unit
 from .sources import IOPool, Source
 
 DEFAULT_MAX_INFLIGHT_BYTES = 512 * 1024 * 1024
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 #: A unit whose tensors average less than this is taken from the page cache, cold or not.
 SMALL_MEAN_BYTES = 64 << 10
-_ALIGN = 4096
 
 
 @dataclass
@@ -67,165 +64,6 @@ class Progress:
     bytes: int
     bytes_total: int
     elapsed_s: float
-
-
-class Arena:
-    """First-fit allocator over one buffer; regions are 4 KiB aligned. The buffer is allocated
-    on first use and its pages faulted once, then reused for the rest of the load."""
-
-    def __init__(self, capacity: int, pin: bool) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self._pin = pin
-        self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (start, end)
-        self.warm = 0 if not pin else capacity  # [0, warm) has been faulted in (pinned memory is)
-        self._array: np.ndarray[Any, Any] | None = None
-
-    def array(self) -> np.ndarray[Any, Any]:
-        if self._array is None:
-            self._array = _host_array(self.capacity, self._pin)
-        return self._array
-
-    def drop(self) -> None:
-        """Let the buffer go (views still held keep it alive); later frees are ignored."""
-        self._array = None
-
-    def alloc(self, n: int) -> int | None:
-        """First fit: the lowest free region that holds ``n``. Streams release units in about the
-        order they were allocated, so the low regions come free again first, and the arena's
-        touched part stays near the bytes really in flight (first touches of fresh pages are
-        what the arena exists to avoid) rather than sweeping the whole budget."""
-        size = -(-n // _ALIGN) * _ALIGN
-        for i, (start, end) in enumerate(self._free):
-            if end - start >= size:
-                self._free[i : i + 1] = [(start + size, end)] if end - start > size else []
-                self.used += size
-                return start
-        return None
-
-    def free(self, start: int, n: int) -> None:
-        if self._array is None:  # dropped: nothing more is allocated from it
-            return
-        size = -(-n // _ALIGN) * _ALIGN
-        end = start + size
-        self.used -= size
-        i = bisect.bisect(self._free, (start, end))
-        if i < len(self._free) and self._free[i][0] == end:
-            end = self._free.pop(i)[1]
-        if i > 0 and self._free[i - 1][1] == start:
-            start = self._free.pop(i - 1)[0]
-            i -= 1
-        self._free.insert(i, (start, end))
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14
-_PAGE = 4096
-#: Fresh pages cost up to ~11 us each on the VM measured: 1 MiB a call keeps each hold of the
-#: memory-map lock to a few ms (see ``madvise_in_steps``).
-_PREFAULT_STEP = 1 << 20
-
-
-def prefault(arr: np.ndarray[Any, Any], start: int, end: int) -> None:
-    """Fault in [start, end) of a fresh buffer with one MADV_POPULATE_WRITE, on a helper thread,
-    so the first touches do not happen page by page on the event loop while a response body is
-    copied in (that held the loop 25-31 ms at p99). It saves little time where fresh memory is
-    expensive in itself: 256 MiB took ~0.75 s either way in a new process on the VM measured.
-    Contents are unchanged."""
-    if not sys.platform.startswith("linux") or end <= start:
-        return
-    # Whole pages around the range: populating a page does not change what it holds.
-    lo = (arr.ctypes.data + start) // _PAGE * _PAGE
-    hi = -(-(arr.ctypes.data + end) // _PAGE) * _PAGE
-    madvise_in_steps(lo, hi - lo, _MADV_POPULATE_WRITE, _PREFAULT_STEP)  # on failure pages fault as before
-
-
-def _host_array(n: int, pin: bool) -> np.ndarray[Any, Any]:
-    if pin:
-        return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()
-    # Page-aligned, so that a file on disk can be read into it with O_DIRECT (``read_frame``).
-    raw = np.empty(n + _ALIGN, dtype=np.uint8)
-    skip = -raw.ctypes.data % _ALIGN
-    return raw[skip : skip + n]
-
-
-#: Where a lease's memory comes from.
-ARENA, OUTSIDE, MAPPED = "arena", "outside", "mapped"
-
-
-class Lease:
-    """Host memory holding one unit: a region of the arena, a fresh allocation, or a view of a
-    mapped file (zero copy; ``populated`` by the read). Released when its last view dies. A unit
-    read by ``Source.read_frame`` has its ``frame``: the whole blocks of the file around it, of
-    which ``tensor`` is the unit's part."""
-
-    __slots__ = ("__weakref__", "frame", "kind", "nbytes", "pad", "start", "tensor")
-
-    def __init__(self, kind: str, start: int, nbytes: int, view: np.ndarray[Any, Any]) -> None:
-        self.kind = kind
-        self.start = start
-        self.nbytes = nbytes
-        self.tensor: torch.Tensor | None = torch.from_numpy(view)
-        self.frame: np.ndarray[Any, Any] | None = None
-        self.pad = 0  # where the unit starts in its frame
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    # detach(): a destination may be a parameter that requires grad (its bytes are written here).
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
-class UnitView:
-    """Typed views of one unit's buffer, one per dtype, from which each tensor is a single
-    ``as_strided``: every torch call releases and retakes the GIL, and with the loader's thread
-    busy each one can wait, so a tensor costs one call instead of three."""
-
-    __slots__ = ("base", "typed")
-
-    def __init__(self, base: torch.Tensor) -> None:
-        self.base = base
-        self.typed: dict[torch.dtype, torch.Tensor] = {}
-
-    def tensor(self, item: Item) -> torch.Tensor:
-        spec = item.spec
-        dtype = spec.torch_dtype
-        typed = self.typed.get(dtype)
-        if typed is None:
-            n = self.base.numel() - self.base.numel() % spec.itemsize
-            typed = self.typed[dtype] = self.base[:n].view(dtype)
-        return typed.as_strided(spec.shape, _strides(spec.shape), item.offset // spec.itemsize)
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = _STRIDES.get(shape)
-    if strides is None:
-        if len(_STRIDES) >= 4096:  # checkpoints repeat a handful of shapes; keep it bounded
-            _STRIDES.clear()
-        strides = _STRIDES[shape] = _contiguous_strides(shape)
-    return strides
-
-
-_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], 1
-    for dim in reversed(shape):
-        out.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(out))
-
-
-def cut(unit: Unit, view: UnitView | None, item: Item) -> torch.Tensor:
-    """The tensor of ``item``: its destination when it was read straight in, else a view of the
-    unit's buffer (from any thread: nothing here touches the reader)."""
-    if unit.dest is not None:
-        return unit.dest
-    if item.dest is not None:
-        return item.dest
-    spec = item.spec
-    if view is None or spec.nbytes == 0:  # zero-size tensors own no bytes
-        return torch.empty(spec.shape, dtype=spec.torch_dtype)
-    return view.tensor(item)
 
 
 class Reader:
@@ -351,7 +189,7 @@ class Reader:
                 return None
             kind, memory = ARENA, self._arena.array()[start : start + size]
         else:
-            kind, start, memory = OUTSIDE, 0, _host_array(size, self._pin)
+            kind, start, memory = OUTSIDE, 0, host_array(size, self._pin)
         lease = self._lease(kind, start, size, memory[pad : pad + n])
         if align:
             lease.frame, lease.pad = memory, pad
@@ -431,7 +269,7 @@ class Reader:
         else:
             target = lease.tensor if lease is not None else unit.dest
             assert target is not None
-            buf = _byte_view(target)
+            buf = byte_view(target)
         del lease
         # Bytes in the page cache come in one piece (a mapped unit's then costs one length check,
         # not a task per chunk on the loop: 4 GiB warm through load_weights made 253 of them).
@@ -467,7 +305,7 @@ class Reader:
         if previous is not None:
             await previous
         if data is not None and data.numel():
-            await self._hasher.run(sha.update, _byte_view(data))
+            await self._hasher.run(sha.update, byte_view(data))
         if last:
             sha.check()
             self.stats.verified_shards += 1
@@ -504,7 +342,7 @@ class Reader:
         """A unit read straight into its ``frame`` (``Source.read_frame``), in chunks of whole
         blocks that start where the file's blocks do; each counts the unit's bytes it holds."""
         need, base = pad + unit.nbytes, unit.start - pad
-        step = max(_ALIGN, self._chunk // _ALIGN * _ALIGN)
+        step = max(ALIGN, self._chunk // ALIGN * ALIGN)
 
         async def chunk(off: int) -> None:
             end = min(off + step, len(frame))
