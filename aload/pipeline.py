@@ -20,6 +20,7 @@ from .reader import (
     Reader,
     ReaderStats,
     _check_positive,
+    all_ready,
 )
 from .stages import Pair, Stage, split_for_plan
 
@@ -89,6 +90,8 @@ class TensorStream:
         if self._verify is not None:
             digests = await digests_for(self._verify, self.checkpoint)
             hashes = {s.url: ShardHash(s, digests[s.url]) for s in self.checkpoint.shards}
+        if self._dest is not None:  # which tensors a source reads in runs depends on its cache
+            await all_ready(self.checkpoint.store.source(s.name) for s in self.checkpoint.shards)
         args = (self.checkpoint, self._names, self._dest, group, hashes is not None)
         # Planning is pure Python, one step per tensor: for a large checkpoint on a thread, where
         # the interpreter switches away every 5 ms, not on the loop (20,000 tensors: ~40 ms).

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,7 +225,7 @@ class Reader:
     async def _produce(self) -> None:
         # Every source made ready at once, not one by one as the plan reaches it: a thread round
         # trip per shard, in turn, made a 64-shard load 7-10% slower.
-        ready = asyncio.ensure_future(_all_ready(self.plan))
+        ready = asyncio.ensure_future(all_ready(u.source for u in self.plan.units))
         self._tasks.add(ready)
         ready.add_done_callback(self._tasks.discard)
         for unit in self.plan.units:
@@ -439,11 +439,11 @@ class Reader:
         await self._hasher.aclose()
 
 
-async def _all_ready(plan: Plan) -> None:
-    """``ready()`` for every source of ``plan``, in plan order, all started together (each source
-    shares one outcome among all who wait for it); errors surface where ``_produce`` awaits."""
-    sources = list({id(u.source): u.source for u in plan.units}.values())
-    await asyncio.gather(*(s.ready() for s in sources), return_exceptions=True)
+async def all_ready(sources: Iterable[Source]) -> None:
+    """``ready()`` for each of ``sources``, in order, all started together (each source shares one
+    outcome among all who wait for it); errors surface where its reads await it again."""
+    unique = list({id(s): s for s in sources}.values())
+    await asyncio.gather(*(s.ready() for s in unique), return_exceptions=True)
 
 
 def _check_positive(**values: int) -> None:

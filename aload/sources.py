@@ -99,6 +99,10 @@ class Source(ABC):
     #: Whether ``prefetch`` and ``scatter_into`` work: bytes brought into memory ahead (a local
     #: file's page cache), then one read filling many separate buffers from there.
     scatters: bool = False
+    #: Where it ``scatters``: tensors with a destination under this many bytes are read in runs
+    #: too, by one scattering read each, however large (small ones always are). Looked at once
+    #: ``ready()`` is done.
+    scatter_below: int = 0
 
     async def prefetch(self, offset: int, length: int) -> None:
         """Have the bytes read into memory for a ``scatter_into`` soon, or raise ``SourceError``."""
