@@ -55,11 +55,10 @@ READ_ENV = "ALOAD_READ"
 WARM_PIECE_BYTES = 256 << 20
 #: Smaller reads of bytes in the page cache go by ``preadv``, and from a file all in the page
 #: cache, smaller tensors with a destination are read in runs by one scattering ``preadv``
-#: (``scatter_below``): below glibc's
-#: threshold a ``memcpy`` gains nothing over the kernel's copy, and mapping the pages in and out
-#: again costs more. On the VM measured, a 512 MB file in tensors of one size, 2 threads, warm:
-#: 1 MiB tensors 5.0 GB/s by ``preadv`` against 3.9 out of the mapping, 4 MiB 8.4 vs 7.5, 16 MiB
-#: 10.4 vs 10.3, 64 MiB 9.3 vs 10.2, 128 MiB 9.2 vs 17.3.
+#: (``scatter_below``): below glibc's threshold a ``memcpy`` gains nothing over the kernel's
+#: copy, and mapping the pages in and out again costs more. On the VM measured, a 512 MB file in
+#: tensors of one size, 2 threads, warm: 1 MiB tensors 5.0 GB/s by ``preadv`` against 3.9 out of
+#: the mapping, 4 MiB 8.4 vs 7.5, 16 MiB 10.4 vs 10.3, 64 MiB 9.3 vs 10.2, 128 MiB 9.2 vs 17.3.
 COPY_OUT_MIN_BYTES = 16 << 20
 #: A file on disk is read with ``O_DIRECT`` (past the page cache, as Run:ai's streamer does), in
 #: pieces of ``DIRECT_PIECE_BYTES`` with ``DIRECT_DEPTH`` in flight, each through a small aligned

@@ -19,7 +19,7 @@ import torch
 
 from ._threads import CHECK_EVERY, Pacer
 from .checkpoint import Checkpoint
-from .format import ITEMSIZE, TensorSpec, _new_tuple, untrack
+from .format import _END, _START, ITEMSIZE, TensorSpec, _new_tuple, untrack
 from .sources import Source
 
 #: Tensors smaller than this are read coalesced, never one read each, even when their destination
@@ -165,6 +165,3 @@ def _scatter_below(ckpt: Checkpoint, spec: TensorSpec) -> int:
         if max(map(operator.sub, map(_END, shard.specs), map(_START, shard.specs)), default=0) >= below:
             below = 0
     return max(DIRECT_MIN_BYTES, below)
-
-
-_START, _END = operator.attrgetter("start"), operator.attrgetter("end")
