@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ from safetensors.torch import save_file
 
 import aload
 from aload.bench import Probe
-from benchmarks.suite import drop_cache, peer_iterator
+from benchmarks.suite import drop_cache, fmt, peer_iterator
 from examples.demo import empty_model
 
 LOADERS = ("aload", "aload_lw", "safe_open", "load_file")
@@ -110,10 +109,6 @@ async def bench(folder: Path, reps: int, cold: bool) -> dict[str, list[dict[str,
     return got
 
 
-def fmt(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="16,64", help="LoRA ranks, one adapter each (default 16,64)")
@@ -133,7 +128,9 @@ def main() -> None:
             for loader, runs in got.items():
                 runs = runs[2:] or runs
                 label = f"rank {rank}, {size / 1e6:.0f} MB{', cold' if a.cold else ''}"
-                print(f"| {label} | {loader} | {fmt([r['ms'] for r in runs])} | {fmt([r['p99'] for r in runs])} |")
+                print(
+                    f"| {label} | {loader} | {fmt([r['ms'] for r in runs], digits=1)} | {fmt([r['p99'] for r in runs], digits=1)} |"
+                )
 
 
 if __name__ == "__main__":
