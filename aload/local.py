@@ -60,6 +60,14 @@ WARM_PIECE_BYTES = 256 << 20
 #: tensors of one size, 2 threads, warm: 1 MiB tensors 5.0 GB/s by ``preadv`` against 3.9 out of
 #: the mapping, 4 MiB 8.4 vs 7.5, 16 MiB 10.4 vs 10.3, 64 MiB 9.3 vs 10.2, 128 MiB 9.2 vs 17.3.
 COPY_OUT_MIN_BYTES = 16 << 20
+#: A large ``memcpy`` whose destination sits a little past its source in the 4 KiB page
+#: (``(dst - src) % 4096`` in ``(0, ALIASED_BYTES)``) stalls on 4K aliasing: each load waits for
+#: a store to an address with the same low 12 bits. With glibc's non-temporal stores (copies
+#: above its threshold, 192 MiB on the VM measured) it ran 2.2-3.1 GB/s at 64-320 bytes, 5.5-5.9
+#: at 384-448, 6.9 at 512 and 8-11 elsewhere. A torch parameter starts 64 bytes into its page, so a
+#: checkpoint whose tensors start at 3,584-4,088 bytes into a page fell in it: such copies go by
+#: ``preadv`` in pieces of ``COPY_OUT_MIN_BYTES`` across the read threads instead.
+ALIASED_BYTES = 512
 #: A file on disk is read with ``O_DIRECT`` (past the page cache, as Run:ai's streamer does), in
 #: pieces of ``DIRECT_PIECE_BYTES`` with ``DIRECT_DEPTH`` in flight, each through a small aligned
 #: buffer of its thread and copied out. Measured on this VM, 4 GiB cold: 1 MiB x 16 gave
@@ -127,6 +135,10 @@ def cached_share(url: str) -> float | None:
         cached += sum(got or [])
         pages += -(-size // PAGE)
     return cached / pages if pages else None
+
+
+def _address(buf: memoryview) -> int:
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
 class LocalSource(Source):
@@ -199,6 +211,11 @@ class LocalSource(Source):
         cached = self._in_cache(offset, n) or not self._direct
         if (self._shared and not self._warm) or (cached and n < COPY_OUT_MIN_BYTES):
             await self._pool.run(pread_into, self._fd, buf, offset, self.url)
+        elif cached and 0 < (_address(buf) - offset) % 4096 < ALIASED_BYTES:
+            fd, step = self._fd, COPY_OUT_MIN_BYTES
+            await self._pool.run_all(
+                pread_into, [(fd, buf[o : o + step], offset + o, self.url) for o in range(0, n, step)]
+            )
         elif cached:
             await self._pool.run(self._copy_out, offset, buf)
         else:
