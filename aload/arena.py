@@ -9,6 +9,7 @@ each one ``as_strided`` call (``UnitView``, ``cut``), made on whichever thread c
 from __future__ import annotations
 
 import bisect
+import ctypes
 import sys
 from typing import Any
 
@@ -122,8 +123,17 @@ class Lease:
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    # detach(): a destination may be a parameter that requires grad (its bytes are written here).
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    """The bytes of the contiguous CPU tensor ``t``, writable (a parameter that requires grad
+    too), holding ``t`` alive. From its address, not from torch ops: each op lets go of the GIL
+    and waits to take it back, and on the event loop with the read threads busy the four that
+    this took (detach, reshape, view, numpy) cost ~0.3 ms a unit read into a destination
+    (a Qwen2.5-0.5B-shaped checkpoint: 36 ms of a 250 ms load)."""
+    n = t.nbytes
+    if n == 0:
+        return memoryview(bytearray())
+    memory = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    memory._tensor = t  # type: ignore[attr-defined]
+    return memoryview(memory).cast("B")
 
 
 class UnitView:

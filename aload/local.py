@@ -265,8 +265,13 @@ class LocalSource(Source):
     async def prefetch(self, offset: int, length: int) -> None:
         """The pages not in the page cache asked for (``POSIX_FADV_WILLNEED``: exactly these
         bytes, no read-around; the mapping's fault-in read 8 MiB around each run of small tensors
-        here, most of it large tensors then read again with ``O_DIRECT``)."""
-        await self._unless_cached(self._prefetch, offset, length)
+        here, most of it large tensors then read again with ``O_DIRECT``). Nothing for bytes all
+        in the page cache, not even the length check a mapped view needs: ``scatter_into`` reads
+        them with ``preadv``, which finds a file that shrank (an ``fstat`` on the event loop per
+        run of small tensors was ~70 us of waiting for the GIL back)."""
+        await self._decided()
+        if self._share_at(offset, length) < 1.0:
+            await self._pool.run(self._prefetch, offset, length)
 
     def _prefetch(self, offset: int, length: int) -> None:
         self._check_length(offset, length)
