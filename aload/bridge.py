@@ -179,7 +179,7 @@ class SyncBridge(Iterator[Pair]):
                 self._call(self._room.set)
             if type(entry) is _Batch:
                 unit = entry.unit
-                if unit.scatter:  # copied out of the page cache into the destinations, here
+                if unit.scatter and not unit.filled:  # copied out of the page cache into the destinations, here
                     unit.source.scatter_into(unit.start, [item.dest for item in unit.items])
                 self._batch = (unit, entry.base, iter(unit.items))
                 del unit

@@ -278,6 +278,9 @@ class LocalSource(Source):
         assert self._fd is not None
         willneed(self._fd, offset, length)
 
+    async def scatter_read(self, offset: int, dests: list[Any]) -> None:
+        await self._pool.run(self.scatter_into, offset, dests)
+
     def scatter_into(self, offset: int, dests: list[Any]) -> None:
         """From the page cache (``preadv``; ``prefetch`` asked for the pages): the many small
         tensors this is for are copied once, by the kernel, with no buffer of aload's between."""

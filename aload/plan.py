@@ -5,12 +5,12 @@ one unit of up to ``chunk_bytes``, the first few units smaller (``FIRST_GROUP_BY
 by a pruned tensor, or a tensor whose offset would be misaligned for its dtype, starts a new unit.
 A large tensor is a unit of its own, read later as several chunks in parallel. A tensor whose
 destination is known is read straight into it: a large one by its own reads, a run of small ones
-(where the source can) by one scattering read into all of theirs (a ``scatter`` unit).
+(where the source can) by one scattering read into all of theirs (a ``scatter`` unit), made by
+the consumer's thread or, from a file all in the page cache, by a read thread (``filled``).
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -19,7 +19,7 @@ import torch
 
 from ._threads import CHECK_EVERY, Pacer
 from .checkpoint import Checkpoint
-from .format import _END, _START, ITEMSIZE, TensorSpec, _new_tuple, untrack
+from .format import ITEMSIZE, TensorSpec, _new_tuple, untrack
 from .sources import Source
 
 #: Tensors smaller than this are read coalesced, never one read each, even when their destination
@@ -32,6 +32,12 @@ DIRECT_MIN_BYTES = 1 << 20
 #: and so on up to ``chunk_bytes``: the consumer starts on the first tensors after one small read
 #: instead of a whole chunk's (on a cold disk, 16 MiB took 20-80 ms to arrive).
 FIRST_GROUP_BYTES = 256 << 10
+
+#: Runs that a read thread fills (``Unit.filled``) hold up to this many bytes (the first ones
+#: less, as ``FIRST_GROUP_BYTES`` says): every unit costs a round trip through the event loop
+#: between two reads, in which a read thread waited ~0.7 ms for the loop and the GIL on 2 cores.
+#: A Qwen2.5-0.5B-shaped checkpoint, warm, read ~7 units a layer; in runs, one.
+FILLED_RUN_BYTES = 64 << 20
 
 #: Plan-time renaming: the final name of a tensor, or None to drop it unread.
 NameFn = Callable[[str], "str | None"]
@@ -63,6 +69,9 @@ class Unit:
     dest: torch.Tensor | None = None
     #: Every item has its own ``dest``, and one scattering read (``Source.scatter_into``) fills them all.
     scatter: bool = False
+    #: A ``scatter`` unit that the reader fills, on a read thread (``Source.scatter_read``), before
+    #: handing it on; otherwise the reader only brings its bytes in and its consumer fills it.
+    filled: bool = False
 
     @property
     def in_place(self) -> bool:
@@ -136,10 +145,11 @@ def make_plan(
             or end - g_start > limit
             or (target is not None) != group.scatter
         ):
-            group = Unit(ckpt.source(spec), start, scatter=target is not None)
+            filled = target is not None and s_below > DIRECT_MIN_BYTES
+            group = Unit(ckpt.source(spec), start, scatter=target is not None, filled=filled)
             units.append(group)
             g_start, g_shard = start, spec.shard
-            limit = min(chunk_bytes, FIRST_GROUP_BYTES << groups)
+            limit = min(FILLED_RUN_BYTES if filled else chunk_bytes, FIRST_GROUP_BYTES << groups)
             groups = min(groups + 1, 32)
         item = _new_tuple(Item, (spec, name, start - g_start, skip, target))
         untrack(item)
@@ -151,17 +161,12 @@ def make_plan(
 
 def _scatter_below(ckpt: Checkpoint, spec: TensorSpec) -> int:
     """Tensors of ``spec``'s shard under this many bytes, with a destination, are read in runs by
-    one scattering read each (0: none are). Larger ones than the plan's small ones only where
-    the source says so and the shard holds nothing larger: the loader's thread fills the runs,
-    and in a shard that also has large tensors, which the read threads copy meanwhile, its
-    copies made three busy threads on two cores (a Llama-shaped 1 GiB, warm: loop lateness p99
-    2.8-4.1 -> 4.5-8.1 ms with its 8 MiB tensors in runs); those go to the read threads too."""
+    one scattering read each (0: none are). Larger ones than the plan's small ones where the
+    source says so; those runs, small tensors and all, are ``filled`` on a read thread (on the
+    loader's thread, the copies of a shard's 8 MiB tensors ran beside the read threads' copies of
+    its large ones: three busy threads on two cores, a Llama-shaped 1 GiB's loop lateness p99
+    2.8-4.1 -> 4.5-8.1 ms)."""
     src = ckpt.source(spec)
     if not src.scatters:
         return 0
-    below = src.scatter_below
-    if below > DIRECT_MIN_BYTES:
-        shard = next(s for s in ckpt.shards if s.url == spec.shard)
-        if max(map(operator.sub, map(_END, shard.specs), map(_START, shard.specs)), default=0) >= below:
-            below = 0
-    return max(DIRECT_MIN_BYTES, below)
+    return max(DIRECT_MIN_BYTES, src.scatter_below)

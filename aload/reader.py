@@ -249,10 +249,13 @@ class Reader:
         if unit.nbytes == 0:
             return
         if unit.scatter:
-            # Its consumer copies it out of the page cache into the destinations, one scattering
-            # read (``Source.scatter_into``): here it is only brought into the cache, ahead.
+            # Filled here by one scattering read on a read thread, or by its consumer
+            # (``Source.scatter_into``), which it is then only brought into the cache for, ahead.
             async with self._gate:
-                await unit.source.prefetch(unit.start, unit.nbytes)
+                if unit.filled:
+                    await unit.source.scatter_read(unit.start, [item.dest for item in unit.items])
+                else:
+                    await unit.source.prefetch(unit.start, unit.nbytes)
             self.stats.bytes_read += unit.nbytes
             self.stats.reads += 1
             self.stats.direct_bytes += unit.nbytes
@@ -379,7 +382,7 @@ class Reader:
         clock = time.perf_counter
         due = clock() + PAUSE_AFTER_S
         async for unit, base in self.units():
-            if unit.scatter:  # a bridge does this on its consumer's thread; here, on the helper's
+            if unit.scatter and not unit.filled:  # a bridge does this on its consumer's thread; here, on the helper's
                 await self._helper.run(unit.source.scatter_into, unit.start, [item.dest for item in unit.items])
             for item in unit.items:
                 if not item.skip:

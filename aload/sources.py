@@ -100,12 +100,16 @@ class Source(ABC):
     #: file's page cache), then one read filling many separate buffers from there.
     scatters: bool = False
     #: Where it ``scatters``: tensors with a destination under this many bytes are read in runs
-    #: too, by one scattering read each, however large (small ones always are). Looked at once
-    #: ``ready()`` is done.
+    #: too, by one scattering read each on a read thread (``scatter_read``), however large (small
+    #: ones always are, elsewhere by their consumer's thread). Looked at once ``ready()`` is done.
     scatter_below: int = 0
 
     async def prefetch(self, offset: int, length: int) -> None:
         """Have the bytes read into memory for a ``scatter_into`` soon, or raise ``SourceError``."""
+        raise NotImplementedError
+
+    async def scatter_read(self, offset: int, dests: list[Any]) -> None:
+        """``scatter_into`` on one of the source's read threads."""
         raise NotImplementedError
 
     def scatter_into(self, offset: int, dests: list[Any]) -> None:

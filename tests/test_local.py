@@ -154,6 +154,38 @@ async def test_a_warm_file_fills_tensors_under_16_mib_by_scattering_reads(
     assert mapped == [str(path)]
 
 
+async def test_runs_from_a_warm_file_are_filled_on_the_read_threads_beside_its_large_tensors(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From a file all in the page cache, the tensors under 16 MiB with a destination, small and
+    1-16 MiB alike, are read in runs of up to ``FILLED_RUN_BYTES`` by the read threads, even where
+    the file also holds larger tensors: one unit, and one trip through the event loop, per run
+    instead of per tensor, and the loader's thread copies nothing beside the read threads."""
+    fills: list[tuple[str, int]] = []
+    scatter = LocalSource.scatter_into
+
+    def spy(self: LocalSource, offset: int, dests: list[Any]) -> None:
+        fills.append((threading.current_thread().name, len(dests)))
+        scatter(self, offset, dests)
+
+    monkeypatch.setattr(LocalSource, "scatter_into", spy)
+    tensors: dict[str, torch.Tensor] = {"embed": torch.ones(5 << 20)}  # 20 MiB: its own unit
+    for i in range(4):
+        tensors |= {f"l{i}_q": torch.full((384, 1024), float(i)), f"l{i}_norm": torch.full((64,), float(i))}
+        tensors |= {f"l{i}_mlp": torch.full((2048, 1024), float(i))}  # 8 MiB
+    path = write(tensors)
+    path.read_bytes()
+    needs_cachestat(path)
+    if not cached(path):
+        pytest.skip("the page cache did not keep the file")
+    model = flat(tensors)
+    report = await aload.load(model, path)
+    assert report.direct_bytes == sum(t.nbytes for t in tensors.values())
+    assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
+    assert sum(n for _, n in fills) == len(tensors) - 1 and max(n for _, n in fills) > 3
+    assert {name.split("_")[0] for name, _ in fills} == {"aload-io"}
+
+
 async def test_a_warm_load_into_parameters_makes_no_torch_op_or_fstat_per_unit_on_the_loop(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
