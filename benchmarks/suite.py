@@ -1,7 +1,7 @@
 """The benchmark suite: aload against the loaders people use today, on the same checkpoints.
 
-    python benchmarks/suite.py [--sizes 1,4,8] [--many] [--scenarios warm,cold,partial] [--reps 5]
-                               [--loaders all] [--out benchmarks/out] [--ckpt-dir DIR]
+    python benchmarks/suite.py [--sizes 1,4,8] [--many] [--small] [--scenarios warm,cold,partial]
+                               [--reps 5] [--loaders all] [--out benchmarks/out] [--ckpt-dir DIR]
 
 Generates Llama-shaped bf16 checkpoints (big matrices and small norms, ~2 GiB shards) and, with
 --many, one of 20,000 small tensors; runs every loader on the same checkpoint in a fresh process
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -60,6 +61,19 @@ def make_llama(folder: Path, size_gib: float) -> Path:
         per_layer = 2 * (2 * hidden * hidden + 2 * hidden * hidden // 4 + 3 * inter * hidden)
         layers = max(1, int((size_gib * 2**30 - 4 * vocab * hidden) // per_layer))
         write_checkpoint(folder, llama_shapes(hidden, inter, vocab, layers), shards=max(1, round(size_gib / 2)))
+    return folder
+
+
+def make_small(folder: Path) -> Path:
+    """A Qwen2.5-0.5B-shaped bf16 checkpoint (24 layers, hidden 896, tied embeddings): 1 GB in 217
+    tensors, a 272 MB embedding first and 8.7 MB MLP matrices; one shard."""
+    from examples.demo import llama_shapes, write_checkpoint
+
+    if not (folder / "model.safetensors.index.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        shapes = llama_shapes(896, 4864, 151936, 24)
+        del shapes["lm_head.weight"]  # tied to the embedding
+        write_checkpoint(folder, shapes, shards=1)
     return folder
 
 
@@ -258,6 +272,8 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
 
     files = [str(p) for p in shards(folder)]
     model, params = preallocated_model(folder)
+    if GC_COLLECT:
+        gc.collect()
     # The page cache is set up here, after the model is allocated: warmed before, an 8 GiB
     # checkpoint's pages (read once, so first in line) were partly evicted to make room for the
     # 8 GiB model, and "warm" runs were part cold (all loaders ~7 GB/s instead of ~10).
@@ -325,12 +341,16 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
 
 #: ``sys.setswitchinterval`` in every child when set (``--switch-interval``); None: Python's default.
 SWITCH_INTERVAL: float | None = None
+#: ``gc.collect()`` after building the model, in every child (``--gc-collect``).
+GC_COLLECT = False
 
 
 def child(loader: str, folder: Path, runai_c: int | None, scenario: str = "warm") -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--run", loader, "--ckpt", str(folder), "--scenario", scenario]
     if SWITCH_INTERVAL is not None:
         cmd += ["--switch-interval", str(SWITCH_INTERVAL)]
+    if GC_COLLECT:
+        cmd += ["--gc-collect"]
     if runai_c:
         cmd += ["--runai-concurrency", str(runai_c)]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -473,6 +493,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,4,8", help="GiB, comma separated")
     ap.add_argument("--many", action="store_true", help="also the 20,000-tensor checkpoint")
+    ap.add_argument("--small", action="store_true", help="also a Qwen2.5-0.5B-shaped checkpoint (1 GB, 217 tensors)")
     ap.add_argument("--many-shards", action="store_true", help="also a checkpoint of 64 small shards")
     ap.add_argument("--moe", action="store_true", help="also DeepSeek-V3's layout: 89,820 tiny tensors, 163 shards")
     ap.add_argument("--scenarios", default="warm,cold")
@@ -491,13 +512,19 @@ def main() -> None:
         type=float,
         help="sys.setswitchinterval in every loader's process, for all loaders (default: Python's, 0.005 s)",
     )
+    ap.add_argument(
+        "--gc-collect",
+        action="store_true",
+        help="gc.collect() after building the model, in every loader's process (docs/troubleshooting.md)",
+    )
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--runai-concurrency", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--scenario", default="warm", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    global SWITCH_INTERVAL, GC_COLLECT
+    GC_COLLECT = a.gc_collect
     if a.switch_interval is not None:
-        global SWITCH_INTERVAL
         SWITCH_INTERVAL = a.switch_interval
         sys.setswitchinterval(a.switch_interval)
     if a.run:
@@ -515,6 +542,8 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     where = a.ckpt_dir or a.out  # checkpoints written once there, reused by later runs
     ckpts: dict[str, Path] = {f"{s}GiB": make_llama(where / f"ckpt-{s}g", float(s)) for s in a.sizes.split(",") if s}
+    if a.small:
+        ckpts["qwen-0.5b"] = make_small(where / "ckpt-small")
     if a.many:
         ckpts["20k-tensors"] = make_many(where / "ckpt-many")
     if a.many_shards:
