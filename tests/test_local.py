@@ -157,10 +157,11 @@ async def test_a_warm_file_fills_tensors_under_16_mib_by_scattering_reads(
 async def test_runs_from_a_warm_file_are_filled_on_the_read_threads_beside_its_large_tensors(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From a file all in the page cache, the tensors under 16 MiB with a destination, small and
-    1-16 MiB alike, are read in runs of up to ``FILLED_RUN_BYTES`` by the read threads, even where
-    the file also holds larger tensors: one unit, and one trip through the event loop, per run
-    instead of per tensor, and the loader's thread copies nothing beside the read threads."""
+    """From a file all in the page cache, the tensors of 64 KiB to 16 MiB with a destination are
+    read in runs of up to ``FILLED_RUN_BYTES`` by the read threads, even where the file also
+    holds larger tensors: one unit, and one trip through the event loop, per run instead of per
+    tensor, and the loader's thread copies none of them beside the read threads. Tiny tensors
+    (norms) join such a run, or else stay in runs of their own that the loader's thread fills."""
     fills: list[tuple[str, int]] = []
     scatter = LocalSource.scatter_into
 
@@ -182,8 +183,9 @@ async def test_runs_from_a_warm_file_are_filled_on_the_read_threads_beside_its_l
     report = await aload.load(model, path)
     assert report.direct_bytes == sum(t.nbytes for t in tensors.values())
     assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
-    assert sum(n for _, n in fills) == len(tensors) - 1 and max(n for _, n in fills) > 3
-    assert {name.split("_")[0] for name, _ in fills} == {"aload-io"}
+    on_read_threads = [n for name, n in fills if name.startswith("aload-io")]
+    assert sum(n for _, n in fills) == len(tensors) - 1
+    assert sum(on_read_threads) >= 8 and max(on_read_threads) >= 3  # q, mlp and a norm between
 
 
 async def test_a_warm_load_into_parameters_makes_no_torch_op_or_fstat_per_unit_on_the_loop(
