@@ -669,6 +669,35 @@ async def test_a_file_truncated_under_a_load_of_small_tensors_names_the_file_and
     assert "partly loaded" in " ".join(info.value.__notes__)
 
 
+async def test_a_file_shrinking_under_a_run_filled_on_a_read_thread_names_the_file_and_range(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run filled on a read thread from a file all in the page cache, which shrinks just
+    before the read: the error names the file and the bytes asked for, and the load stops."""
+    tensors = {f"t{i:02d}": torch.full((64, 1024), float(i)) for i in range(24)}  # 256 KiB each
+    path = write(tensors)
+    path.read_bytes()
+    needs_cachestat(path)
+    if not cached(path):
+        pytest.skip("the page cache did not keep the file")
+    size = path.stat().st_size
+    real = LocalSource.scatter_into
+    threads: list[str] = []
+
+    def shrink_first(self: LocalSource, offset: int, dests: list[Any]) -> None:
+        threads.append(threading.current_thread().name)
+        if len(threads) == 1:
+            os.truncate(path, size - 100)
+        real(self, offset, dests)
+
+    monkeypatch.setattr(LocalSource, "scatter_into", shrink_first)
+    with pytest.raises(aload.SourceError) as info:
+        await aload.load(flat(tensors), path)
+    assert threads[0].startswith("aload-io")
+    assert info.value.url == str(path) and info.value.byte_range is not None
+    assert info.value.byte_range[1] > size - 100
+
+
 async def test_a_cold_run_of_small_tensors_is_mapped_for_load_weights_and_the_large_read_past_the_cache(
     write: Callable[..., Path],
 ) -> None:
