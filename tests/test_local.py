@@ -97,6 +97,20 @@ def flat(tensors: dict[str, torch.Tensor]) -> nn.Module:
     return model
 
 
+async def load_warm(write: Callable[..., Path], tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors``, bring the file into the page cache, load it into ``flat(tensors)`` with
+    the built-in loader, and check that every tensor arrived, straight into its parameter."""
+    path = write(tensors)
+    path.read_bytes()
+    needs_cachestat(path)
+    if not cached(path):
+        pytest.skip("the page cache did not keep the file")
+    model = flat(tensors)
+    report = await aload.load(model, path)
+    assert report.direct_bytes == sum(t.nbytes for t in tensors.values())  # straight into the model
+    assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
+
+
 async def test_a_cold_file_is_read_past_the_page_cache_straight_into_the_parameters(
     write: Callable[..., Path],
 ) -> None:
@@ -137,15 +151,7 @@ async def test_a_warm_file_fills_tensors_under_16_mib_by_scattering_reads(
         lambda self, offset, dests: scattered.append(len(dests)) or scatter(self, offset, dests),
     )
     tensors = {f"w{i:02d}": torch.full((512 + i, 1024), float(i)) for i in range(12)}  # ~2 MiB each
-    path = write(tensors)
-    path.read_bytes()
-    needs_cachestat(path)
-    if not cached(path):
-        pytest.skip("the page cache did not keep the file")
-    model = flat(tensors)
-    report = await aload.load(model, path)
-    assert report.direct_bytes == sum(t.nbytes for t in tensors.values())  # straight into the model
-    assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
+    await load_warm(write, tensors)
     assert mapped == [] and sum(scattered) == len(tensors) and max(scattered) > 1  # in runs, unmapped
     big = {"big": torch.ones(5 << 20)}  # 20 MiB: out of the mapping
     path = write(big, name="big.safetensors")
@@ -174,15 +180,7 @@ async def test_runs_from_a_warm_file_are_filled_on_the_read_threads_beside_its_l
     for i in range(4):
         tensors |= {f"l{i}_q": torch.full((384, 1024), float(i)), f"l{i}_norm": torch.full((64,), float(i))}
         tensors |= {f"l{i}_mlp": torch.full((2048, 1024), float(i))}  # 8 MiB
-    path = write(tensors)
-    path.read_bytes()
-    needs_cachestat(path)
-    if not cached(path):
-        pytest.skip("the page cache did not keep the file")
-    model = flat(tensors)
-    report = await aload.load(model, path)
-    assert report.direct_bytes == sum(t.nbytes for t in tensors.values())
-    assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
+    await load_warm(write, tensors)
     on_read_threads = [n for name, n in fills if name.startswith("aload-io")]
     assert sum(n for _, n in fills) == len(tensors) - 1
     assert sum(on_read_threads) >= 8 and max(on_read_threads) >= 3  # q, mlp and a norm between
