@@ -172,10 +172,10 @@ def make_plan(
 def _scatter_below(ckpt: Checkpoint, spec: TensorSpec) -> int:
     """Tensors of ``spec``'s shard under this many bytes, with a destination, are read in runs by
     one scattering read each (0: none are). Larger ones than the plan's small ones where the
-    source says so; runs of those are ``filled`` on a read thread (on the
-    loader's thread, the copies of a shard's 8 MiB tensors ran beside the read threads' copies of
-    its large ones: three busy threads on two cores, a Llama-shaped 1 GiB's loop lateness p99
-    2.8-4.1 -> 4.5-8.1 ms)."""
+    source says so; runs of those are ``filled`` on a read thread (on the loader's thread, the
+    copies of a shard's 8 MiB tensors ran beside the read threads' copies of its large ones:
+    three busy threads on two cores, a Llama-shaped 1 GiB's loop lateness p99 2.8-4.1 -> 4.5-8.1
+    ms)."""
     src = ckpt.source(spec)
     if not src.scatters:
         return 0

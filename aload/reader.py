@@ -249,8 +249,8 @@ class Reader:
         if unit.nbytes == 0:
             return
         if unit.scatter:
-            # Filled here by one scattering read on a read thread, or by its consumer
-            # (``Source.scatter_into``), which it is then only brought into the cache for, ahead.
+            # A ``filled`` unit is filled here, by one scattering read on a read thread; any other
+            # by its consumer (``Source.scatter_into``), and only brought into the cache here, ahead.
             async with self._gate:
                 if unit.filled:
                     await unit.source.scatter_read(unit.start, [item.dest for item in unit.items])
