@@ -732,12 +732,13 @@ async def test_a_cold_run_of_small_tensors_is_mapped_for_load_weights_and_the_la
     assert report.peak_inflight_bytes >= 4 * MiB  # a large tensor's buffer
 
 
-async def test_a_stream_with_destinations_scatters_off_the_loop(write: Callable[..., Path]) -> None:
-    """Pairs (no bridge): a run of small tensors with destinations is scattered on a thread,
-    and each pair is its destination, filled."""
+@pytest.mark.parametrize("numel", [16, 32 << 10], ids=["tiny", "128KiB"])
+async def test_a_stream_with_destinations_scatters_off_the_loop(write: Callable[..., Path], numel: int) -> None:
+    """Pairs (no bridge): a run of small tensors with destinations is scattered on a thread (the
+    helper's, or a read thread's for a run it fills), and each pair is its destination, filled."""
     from aload.pipeline import TensorStream
 
-    tensors = {f"t{i}": torch.full((16,), float(i)) for i in range(300)}
+    tensors = {f"t{i}": torch.full((numel,), float(i)) for i in range(300 if numel < 1024 else 40)}
     path = write(tensors)
     dests = {k: torch.zeros_like(v) for k, v in tensors.items()}
     async with TensorStream(path, destinations=lambda name, spec: dests[name]) as s:
