@@ -130,20 +130,26 @@ def map_private(fd: int, size: int, url: str) -> np.ndarray[Any, Any]:
     if addr in (None, ctypes.c_void_p(-1).value):
         err = ctypes.get_errno()
         raise SourceError(f"cannot map: {os.strerror(err)}", url=url)
-    # Through the array interface, not a ctypes array: ``c_ubyte * size`` made a new ctypes type
-    # per mapping, and types are cyclic garbage, left for the next full collection.
-    arr = np.asarray(_Memory(addr, size))
+    arr = memory_at(addr, size)
     weakref.finalize(arr, libc.munmap, addr, size)  # views of it keep it (their .base) alive
     return arr
 
 
+def memory_at(addr: int, size: int, owner: object = None) -> np.ndarray[Any, Any]:
+    """The ``size`` bytes at ``addr`` as a writable uint8 array, which keeps ``owner`` (what owns
+    that memory) alive. Through the array interface, not a ctypes array: ``c_ubyte * size`` makes
+    a ctypes type per size, and types are cyclic garbage, left for the next full collection."""
+    return np.asarray(_Memory(addr, size, owner))
+
+
 class _Memory:
-    """``size`` bytes at ``addr``, writable, for ``np.asarray``."""
+    """``size`` bytes at ``addr``, writable, for ``np.asarray``; holds their ``owner``."""
 
-    __slots__ = ("__array_interface__",)
+    __slots__ = ("__array_interface__", "owner")
 
-    def __init__(self, addr: int, size: int) -> None:
+    def __init__(self, addr: int, size: int, owner: object) -> None:
         self.__array_interface__ = {"data": (addr, False), "shape": (size,), "typestr": "|u1", "version": 3}
+        self.owner = owner
 
 
 class _CacheRange(ctypes.Structure):

@@ -9,14 +9,13 @@ each one ``as_strided`` call (``UnitView``, ``cut``), made on whichever thread c
 from __future__ import annotations
 
 import bisect
-import ctypes
 import sys
 from typing import Any
 
 import numpy as np
 import torch
 
-from ._syscalls import madvise_in_steps
+from ._syscalls import madvise_in_steps, memory_at
 from .plan import Item, Unit
 
 ALIGN = 4096  # O_DIRECT reads into a unit's buffer need its address page-aligned
@@ -128,12 +127,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     and waits to take it back, and on the event loop with the read threads busy the four that
     this took (detach, reshape, view, numpy) cost ~0.3 ms a unit read into a destination
     (a Qwen2.5-0.5B-shaped checkpoint: 36 ms of a 250 ms load)."""
-    n = t.nbytes
-    if n == 0:
-        return memoryview(bytearray())
-    memory = (ctypes.c_ubyte * n).from_address(t.data_ptr())
-    memory._tensor = t  # type: ignore[attr-defined]
-    return memoryview(memory).cast("B")
+    return memoryview(memory_at(t.data_ptr(), t.nbytes, t))  # type: ignore[arg-type]
 
 
 class UnitView:
