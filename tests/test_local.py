@@ -285,7 +285,9 @@ async def test_read_shared_brings_a_cold_file_in_through_the_page_cache(
         async with aload.stream(path, max_inflight_bytes=4 * MiB) as s:
             got = {name: t.clone() async for name, t in s}
     assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
-    assert cached(path)  # the whole file, left in the page cache for the next reader
+    # The whole file, left in the page cache for the next reader (O_DIRECT leaves none of it):
+    # a few scattered pages of 9,347 were sometimes missing here (3 runs in 40) however read.
+    assert resident(path, 0, path.stat().st_size) > 0.99
 
 
 async def test_a_read_mode_from_the_environment_is_checked(
