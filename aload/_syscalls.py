@@ -164,11 +164,15 @@ _SYS_CACHESTAT = 451  # Linux 6.5; the same number on every architecture
 _cachestat_ok = sys.platform.startswith("linux")  # until the kernel (or a seccomp filter) refuses it
 
 
-def window_pages(fd: int, size: int, window: int) -> list[int] | None:
+def window_pages(fd: int, size: int, window: int, sample: int | None = None) -> list[int] | None:
     """How many pages of each ``window`` bytes of the file, in order, sit in the page cache, from
-    ``cachestat(2)``: exact, without mapping the file (a mapping waits for the process's
-    memory-map lock, which prefaulting buffers holds), ~2.5 ms for 2 GB here. None where the
-    call is refused (then never asked again)."""
+    ``cachestat(2)``, without mapping the file (a mapping waits for the process's memory-map lock,
+    which prefaulting buffers holds). None where the call is refused (then never asked again).
+
+    Exact, by default: the kernel walks every page, ~9 ms a GB here for a file written through the
+    page cache (4 KiB folios), before a load's first read. With ``sample``, only the last
+    ``sample`` bytes of each window are looked at and their share stands for the window's: 1.2 ms
+    for that GB with 256 KiB of each 4 MiB."""
     global _cachestat_ok
     if not _cachestat_ok or libc is None or size <= 0:
         return None
@@ -176,11 +180,18 @@ def window_pages(fd: int, size: int, window: int) -> list[int] | None:
     stat_p, span_p = ctypes.byref(stat), ctypes.byref(span)
     pages = []
     for off in range(0, size, window):
-        span.off = off
+        n = min(window, size - off)
+        if sample is not None and sample < n:
+            # The window's end: reading the header brings the file's first pages in (readahead).
+            span.off, span.len = off + (n - sample) // PAGE * PAGE, sample
+        else:
+            span.off, span.len = off, window
         if libc.syscall(_SYS_CACHESTAT, fd, span_p, stat_p, 0) != 0:
             _cachestat_ok = False  # ENOSYS before 6.5, EPERM under a seccomp filter: mincore instead
             return None
-        pages.append(stat.cache)
+        whole = -(-n // PAGE)
+        looked = min(whole, -(-(size - span.off) // PAGE), -(-span.len // PAGE))
+        pages.append(whole if stat.cache >= looked else stat.cache * whole // looked)
     return pages
 
 

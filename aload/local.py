@@ -60,6 +60,12 @@ WARM_PIECE_BYTES = 256 << 20
 #: tensors of one size, 2 threads, warm: 1 MiB tensors 5.0 GB/s by ``preadv`` against 3.9 out of
 #: the mapping, 4 MiB 8.4 vs 7.5, 16 MiB 10.4 vs 10.3, 64 MiB 9.3 vs 10.2, 128 MiB 9.2 vs 17.3.
 COPY_OUT_MIN_BYTES = 16 << 20
+#: Small tensors of a file all in the page cache, without a destination (a model's own
+#: ``load_weights``), are handed out in mapped views of up to this many bytes (at most a quarter of
+#: the budget), not ``chunk_bytes``: nothing is read, and each unit cost the consumer's thread a
+#: wait for the event loop. Qwen2.5-0.5B-shaped, warm, through ``load_weights``, in one process:
+#: 16 MiB 272-298 ms a load, 64 MiB 252-267, 128 MiB 238-253, 256 MiB 247-257.
+MAPPED_RUN_BYTES = 128 << 20
 #: A large ``memcpy`` whose destination sits a little past its source in the 4 KiB page
 #: (``(dst - src) % 4096`` in ``(0, ALIASED_BYTES)``) stalls on 4K aliasing: each load waits for
 #: a store to an address with the same low 12 bits. With glibc's non-temporal stores (copies
@@ -94,7 +100,13 @@ WARM_SHARE = 0.5
 #: 1.3-2.2 GB/s, where the memory-mapped loaders took 4.6-6.0. A window per 4 MiB costs as much
 #: as one call for the whole file (~2.5 ms for 2 GB: the time goes to walking the cache).
 CACHE_WINDOW_BYTES = 4 << 20
-#: The share of a range's windows in the page cache from which it counts as all there.
+#: Of each window, the first this many bytes are looked at (``window_pages``' sample): a whole
+#: walk of the page cache was 9 ms a GB here, before a load's first read.
+CACHE_SAMPLE_BYTES = 256 << 10
+#: The share of a range's windows in the page cache from which it counts as all there; a file
+#: counts as warm from it too. Pages go missing from a file read whole a few seconds before (on the
+#: VM measured, 0.3-1% of a 1 GB file within seconds, 18 GB of memory free), and a file warm but
+#: for those was taken as cold: its small tensors read one run per unit by the loader's thread.
 _ALL_CACHED = 0.99
 
 
@@ -161,7 +173,8 @@ class LocalSource(Source):
         self._bytes: np.ndarray[Any, Any] | None = None
         self._map_lock = threading.Lock()
         self._populate_read = libc is not None and sys.platform.startswith("linux")
-        self._warm: bool | None = None  # whether all of the file sat in the page cache when first read
+        # Whether the file sat in the page cache when first read (all of it but _ALL_CACHED's share).
+        self._warm: bool | None = None
         # Pages in the page cache then, in the first i windows of CACHE_WINDOW_BYTES: [0, .., all];
         # None where only the whole file was looked at (mincore), or not yet.
         self._cached_before: list[int] | None = None
@@ -324,6 +337,12 @@ class LocalSource(Source):
         the file sat in the page cache (a file on disk reads its larger ones with ``O_DIRECT``)."""
         return COPY_OUT_MIN_BYTES if self._warm else 0
 
+    @property
+    def mapped_run_bytes(self) -> int:  # type: ignore[override]
+        """Small tensors of a file all in the page cache, without a destination, are handed out
+        in views of up to ``MAPPED_RUN_BYTES``."""
+        return MAPPED_RUN_BYTES if self._warm else 0
+
     def maps(self, offset: int, length: int) -> bool:
         """Bytes in the page cache are mapped; bytes on disk are read into buffers (``O_DIRECT``)
         where they can be."""
@@ -353,17 +372,19 @@ class LocalSource(Source):
             await asyncio.shield(self._deciding)
 
     def _cached(self) -> bool:
-        """Whether all of the file sat in the page cache when its data was first read (decided
-        once, with which parts did; see ``_decided``)."""
+        """Whether the file sat in the page cache when its data was first read, all of it or
+        ``_ALL_CACHED`` of it by the sampled windows (decided once, with which parts did; see
+        ``_decided``)."""
         if self._warm is None:
             warm = self.can_map and bool(self._size)
-            pages = window_pages(self._open(), self._size or 0, CACHE_WINDOW_BYTES) if warm else None
+            size = self._size or 0
+            pages = window_pages(self._open(), size, CACHE_WINDOW_BYTES, CACHE_SAMPLE_BYTES) if warm else None
             if pages is not None:
                 before = [0]
                 for n in pages:
                     before.append(before[-1] + n)
                 self._cached_before = before  # before _warm: the loop may look meanwhile
-                warm = before[-1] >= -(-(self._size or 0) // PAGE)
+                warm = before[-1] >= _ALL_CACHED * -(-size // PAGE)
             elif warm:
                 warm = all_cached(self._mapping())
             self._warm = warm  # set once, when known

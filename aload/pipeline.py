@@ -90,9 +90,9 @@ class TensorStream:
         if self._verify is not None:
             digests = await digests_for(self._verify, self.checkpoint)
             hashes = {s.url: ShardHash(s, digests[s.url]) for s in self.checkpoint.shards}
-        if self._dest is not None:  # which tensors a source reads in runs depends on its cache
-            await all_ready(self.checkpoint.store.source(s.name) for s in self.checkpoint.shards)
-        args = (self.checkpoint, self._names, self._dest, group, hashes is not None)
+        # How a source's tensors are read (in runs, in large views) depends on its page cache.
+        await all_ready(self.checkpoint.store.source(s.name) for s in self.checkpoint.shards)
+        args = (self.checkpoint, self._names, self._dest, group, hashes is not None, max(1, self._budget // 4))
         # Planning is pure Python, one step per tensor: for a large checkpoint on a thread, where
         # the interpreter switches away every 5 ms, not on the loop (20,000 tensors: ~40 ms).
         plan = await run_off_loop(

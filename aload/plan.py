@@ -1,7 +1,8 @@
 """The read plan: which byte ranges to read, in which order, into what.
 
 Tensors are taken in shard order, then offset order. Neighbouring small tensors coalesce into
-one unit of up to ``chunk_bytes``, the first few units smaller (``FIRST_GROUP_BYTES``); a gap left
+one unit of up to ``chunk_bytes`` (a source's ``mapped_run_bytes`` where they are views of memory
+that needs no read), the first few units smaller (``FIRST_GROUP_BYTES``); a gap left
 by a pruned tensor, or a tensor whose offset would be misaligned for its dtype, starts a new unit.
 A large tensor is a unit of its own, read later as several chunks in parallel. A tensor whose
 destination is known is read straight into it: a large one by its own reads, a run of small ones
@@ -100,10 +101,16 @@ class Plan:
 
 
 def make_plan(
-    ckpt: Checkpoint, names: NameFn | None, dest: DestFn | None, chunk_bytes: int, read_all: bool = False
+    ckpt: Checkpoint,
+    names: NameFn | None,
+    dest: DestFn | None,
+    chunk_bytes: int,
+    read_all: bool = False,
+    run_bytes: int = 0,
 ) -> Plan:
     """``read_all``: read dropped tensors too (without delivering them), so that every byte of
-    every shard passes through in file order, as a digest needs."""
+    every shard passes through in file order, as a digest needs. ``run_bytes``: the most a unit
+    of a source's ``mapped_run_bytes`` may hold (a share of the budget; 0: ``chunk_bytes``)."""
     units: list[Unit] = []
     tensors = nbytes = 0
     group: Unit | None = None
@@ -112,8 +119,9 @@ def make_plan(
     # Written for speed (89,820 tensors: 121 ms before): the open group's extent kept in locals,
     # no call per tensor (Items made by ``_new_tuple``), the pause checked every CHECK_EVERY tensors.
     g_start = g_end = 0
-    g_shard = s_shard = ""
+    g_shard = s_shard = m_shard = ""
     s_below = 0
+    m_limit = chunk_bytes  # coalesced units without a destination, in the shard m_shard
     # Small tensors with a destination are read straight into it where the source can scatter
     # one read over many buffers; not when every byte must pass through a digest in order.
     scatter = dest is not None and not read_all
@@ -146,6 +154,9 @@ def make_plan(
             group = None
             continue
         filled = target is not None and n >= FILLED_MIN_BYTES and s_below > DIRECT_MIN_BYTES
+        if spec.shard != m_shard:
+            m_shard = spec.shard
+            m_limit = max(chunk_bytes, min(ckpt.source(spec).mapped_run_bytes, run_bytes))
         if (
             group is None
             or start != g_end
@@ -159,7 +170,8 @@ def make_plan(
             group = Unit(ckpt.source(spec), start, scatter=target is not None, filled=filled)
             units.append(group)
             g_start, g_shard = start, spec.shard
-            limit = min(FILLED_RUN_BYTES if filled else chunk_bytes, FIRST_GROUP_BYTES << groups)
+            limit = FILLED_RUN_BYTES if filled else chunk_bytes if target is not None else m_limit
+            limit = min(limit, FIRST_GROUP_BYTES << groups)
             groups = min(groups + 1, 32)
         item = _new_tuple(Item, (spec, name, start - g_start, skip, target))
         untrack(item)

@@ -103,6 +103,11 @@ class Source(ABC):
     #: too, by one scattering read each on a read thread (``scatter_read``), however large (small
     #: ones always are, elsewhere by their consumer's thread). Looked at once ``ready()`` is done.
     scatter_below: int = 0
+    #: Coalesced units without a destination may hold up to this many bytes (at most a share of
+    #: the budget; 0: ``chunk_bytes``), where they are views that need no read (a file all in the
+    #: page cache): each unit costs a round trip through the event loop and the consumer's thread
+    #: that no read hides. Looked at once ``ready()`` is done.
+    mapped_run_bytes: int = 0
 
     async def prefetch(self, offset: int, length: int) -> None:
         """Have the bytes read into memory for a ``scatter_into`` soon, or raise ``SourceError``."""

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import aload
+from aload import local
 
 from .conftest import hf_llama, llama_like
 
@@ -97,9 +98,10 @@ async def test_a_waiting_loader_gets_every_pair_when_they_trickle_in(write: Call
     assert all(torch.equal(t, tensors[n]) for n, t in got)
 
 
-async def test_a_slow_loader_holds_few_whole_units(write: Callable[..., Path]) -> None:
+async def test_a_slow_loader_holds_few_whole_units(write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """Reads run a few units ahead of a slow ``load_weights``, not the whole budget: the bridge
     holds at most ``bridge._MAX_UNITS`` (4) units for the consumer's thread."""
+    monkeypatch.setattr(local, "MAPPED_RUN_BYTES", 0)  # units of chunk_bytes, even from the page cache
     unit = 64 << 10
     tensors = {f"t{i:03d}": torch.full((unit // 4,), float(i)) for i in range(80)}  # a unit each
     path = write(tensors)
@@ -511,6 +513,7 @@ from pathlib import Path
 import torch
 from torch import nn
 import aload
+from aload import local
 
 how, folder = sys.argv[1], Path(sys.argv[2])
 

@@ -450,6 +450,60 @@ async def test_whether_each_shard_is_cached_is_worked_out_off_the_event_loop(
     assert not any(on_loop for _, on_loop in decided), decided
 
 
+def test_the_page_cache_is_sampled_at_each_windows_end(write: Callable[..., Path]) -> None:
+    """A load looks at the last ``CACHE_SAMPLE_BYTES`` of each window (a whole walk of the page
+    cache was 9 ms a GB before the first read): a window out of the cache reads 0 pages, one in it
+    all of its pages, and the pages a header read brings in at a cold file's start do not make its
+    first window look cached."""
+    path = write({"t": torch.arange(14 * MiB // 4, dtype=torch.float32)})  # 3 windows and a part
+    path.read_bytes()
+    needs_cachestat(path)
+    size, w, sample = path.stat().st_size, 4 * MiB, local.CACHE_SAMPLE_BYTES
+    full = [-(-min(w, size - off) // 4096) for off in range(0, size, w)]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert window_pages(fd, size, w, sample) == full
+        drop_cache(path, w, w)  # the second window out
+        drop_cache(path, 2 * w, 2 * MiB)  # the first half of the third, which is not looked at
+        if resident(path, w, 2 * w) > 0 or resident(path, 2 * w + 2 * MiB, 3 * w) < 1:
+            pytest.skip("the page cache did not drop just those pages")
+        exact = window_pages(fd, size, w)
+        assert exact is not None and exact[1] == 0 and exact[2] == full[2] // 2
+        assert window_pages(fd, size, w, sample) == [full[0], 0, full[2], full[3]]
+        cold(path)
+        os.pread(fd, 4096, 0)  # the header, and the kernel's readahead after it
+        assert window_pages(fd, size, w, sample) == [0, 0, 0, 0]
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+async def test_small_tensors_without_a_destination_come_in_large_views_from_the_page_cache(
+    write: Callable[..., Path], warm: bool
+) -> None:
+    """From a file in the page cache, small tensors without a destination (a stream, a model's own
+    ``load_weights``) come in mapped views of up to ``MAPPED_RUN_BYTES``, at most a quarter of the
+    budget, not ``chunk_bytes``: nothing is read, and each unit cost the consumer a wait for the
+    event loop. A file on disk keeps ``chunk_bytes``, so that its first tensors come after a short read."""
+    tensors = {f"t{i:02d}": torch.full((MiB // 4,), float(i)) for i in range(48)}  # 1 MiB each
+    path = write(tensors)
+    if warm:
+        path.read_bytes()
+        needs_cachestat(path)
+    else:
+        cold(path)
+    async with aload.stream(path, chunk_bytes=2 * MiB, max_inflight_bytes=32 * MiB) as s:
+        got = {name: t.clone() async for name, t in s}
+        assert s.reader is not None
+        sizes = [u.nbytes for u in s.reader.plan.units]
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert sum(sizes) == 48 * MiB
+    if warm:
+        assert max(sizes) == 8 * MiB  # a quarter of the budget
+    else:
+        assert max(sizes) == 2 * MiB
+
+
 @pytest.mark.parametrize("how", ["cachestat", "mincore"])
 async def test_what_the_page_cache_holds_decides_and_a_cold_file_is_never_mapped(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, how: str
