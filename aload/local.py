@@ -24,7 +24,6 @@ from ._syscalls import (
     MADV_DONTNEED,
     MADV_POPULATE_READ,
     PAGE,
-    all_cached,
     bounce_buffer,
     libc,
     madvise_in_steps,
@@ -32,9 +31,9 @@ from ._syscalls import (
     pread_into,
     preadv_scatter,
     willneed,
-    window_pages,
 )
 from .errors import SourceError, UsageError
+from .pagecache import ALL_CACHED, WARM_SHARE, Residency, share_of
 from .sources import IOPool, Source, Store
 
 T = TypeVar("T")
@@ -84,30 +83,6 @@ DIRECT_DEPTH = 16
 #: Reads smaller than this (headers, coalesced small tensors) stay buffered, even from a cold file.
 O_DIRECT_MIN_BYTES = 256 << 10
 _ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses in multiples of the block size
-#: The share of a unit's pages in the page cache from which it counts as cached (mapped, or copied
-#: out of the mapping); below it the unit is read from the disk with O_DIRECT, its cached part
-#: included. The pages a cached unit misses are read in ahead of its consumer, through the page
-#: cache. Measured here (suite children, the first 10% of each shard evicted, 4 runs each): 1 GiB,
-#: whose 250 MiB embedding was 60% cached, 6.9 GB/s built-in at 0.9 against 9.5 at 0.5, and
-#: through ``load_weights`` 3.7 against 6.2 (3 runs; its evicted part went through the budget's
-#: fresh buffers); 4 GiB the same either way. A 250 MiB tensor missing 6 MiB was read whole with
-#: O_DIRECT at 0.99, its first tensor after 169-789 ms through ``load_weights``; mapped, 14-16 ms.
-#: Where the disk is much faster than reading through the page cache, a higher share would fit.
-WARM_SHARE = 0.5
-#: The page cache is looked at in windows of this many bytes, so that a file partly evicted (by
-#: other work on the host, oldest pages first) is mapped where it is cached and read from the disk
-#: only where it is not: a 4 GiB checkpoint with 10% evicted was read whole with O_DIRECT, at
-#: 1.3-2.2 GB/s, where the memory-mapped loaders took 4.6-6.0. A window per 4 MiB costs as much
-#: as one call for the whole file (~2.5 ms for 2 GB: the time goes to walking the cache).
-CACHE_WINDOW_BYTES = 4 << 20
-#: Of each window, the first this many bytes are looked at (``window_pages``' sample): a whole
-#: walk of the page cache was 9 ms a GB here, before a load's first read.
-CACHE_SAMPLE_BYTES = 256 << 10
-#: The share of a range's windows in the page cache from which it counts as all there; a file
-#: counts as warm from it too. Pages go missing from a file read whole a few seconds before (on the
-#: VM measured, 0.3-1% of a 1 GB file within seconds, 18 GB of memory free), and a file warm but
-#: for those was taken as cold: its small tensors read one run per unit by the loader's thread.
-_ALL_CACHED = 0.99
 
 
 def _path_from_url(url: str) -> str:
@@ -131,22 +106,7 @@ def cached_share(url: str) -> float | None:
         if os.path.isdir(path)
         else [path]
     )
-    cached = pages = 0
-    for name in files:
-        try:
-            fd = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            got = window_pages(fd, size, max(size, 1))
-        finally:
-            os.close(fd)
-        if got is None and size:
-            return None
-        cached += sum(got or [])
-        pages += -(-size // PAGE)
-    return cached / pages if pages else None
+    return share_of(files)
 
 
 def _address(buf: memoryview) -> int:
@@ -173,11 +133,7 @@ class LocalSource(Source):
         self._bytes: np.ndarray[Any, Any] | None = None
         self._map_lock = threading.Lock()
         self._populate_read = libc is not None and sys.platform.startswith("linux")
-        # Whether the file sat in the page cache when first read (all of it but _ALL_CACHED's share).
-        self._warm: bool | None = None
-        # Pages in the page cache then, in the first i windows of CACHE_WINDOW_BYTES: [0, .., all];
-        # None where only the whole file was looked at (mincore), or not yet.
-        self._cached_before: list[int] | None = None
+        self._residency: Residency | None = None  # the page cache when the file was first read
         self._deciding: asyncio.Future[bool] | None = None  # working that out, on a thread
         self.scatters = IOVEC_OK  # every read mode: a buffered preadv into the destinations
 
@@ -355,7 +311,7 @@ class LocalSource(Source):
         of it is cached; the pages it misses are then brought in by several populates at once (in
         one, a view a tenth on disk made a partly evicted 1 GiB load through ``load_weights``
         0.21 -> 0.37 s)."""
-        whole = self._share_at(offset, length) >= _ALL_CACHED if mapped else self._in_cache(offset, length)
+        whole = self._share_at(offset, length) >= ALL_CACHED if mapped else self._in_cache(offset, length)
         return max(chunk_bytes, WARM_PIECE_BYTES) if whole else chunk_bytes
 
     async def ready(self) -> None:
@@ -371,41 +327,32 @@ class LocalSource(Source):
                 self._deciding = asyncio.ensure_future(self._pool.run(self._cached))
             await asyncio.shield(self._deciding)
 
+    @property
+    def _warm(self) -> bool | None:
+        """Whether the file sat in the page cache when first read (None: not looked at yet)."""
+        r = self._residency
+        return None if r is None else r.warm
+
     def _cached(self) -> bool:
-        """Whether the file sat in the page cache when its data was first read, all of it or
-        ``_ALL_CACHED`` of it by the sampled windows (decided once, with which parts did; see
-        ``_decided``)."""
-        if self._warm is None:
-            warm = self.can_map and bool(self._size)
+        """Whether the file sat in the page cache when its data was first read, all of it but
+        ``ALL_CACHED``'s share (looked at once, with which parts did; see ``_decided``)."""
+        if self._residency is None:
             size = self._size or 0
-            pages = window_pages(self._open(), size, CACHE_WINDOW_BYTES, CACHE_SAMPLE_BYTES) if warm else None
-            if pages is not None:
-                before = [0]
-                for n in pages:
-                    before.append(before[-1] + n)
-                self._cached_before = before  # before _warm: the loop may look meanwhile
-                warm = before[-1] >= _ALL_CACHED * -(-size // PAGE)
-            elif warm:
-                warm = all_cached(self._mapping())
-            self._warm = warm  # set once, when known
-        return self._warm
+            mapped = self.can_map and size > 0
+            self._residency = Residency.look(self._open(), size, self._mapping) if mapped else Residency(False)
+        return self._residency.warm
 
     def _in_cache(self, offset: int, length: int) -> bool:
         """Whether the bytes at ``offset`` are read from the page cache (``WARM_SHARE``)."""
         return self._share_at(offset, length) >= WARM_SHARE
 
     def _share_at(self, offset: int, length: int) -> float:
-        """The share of the pages of the windows holding bytes ``offset``..``offset + length`` that
-        sat in the page cache when the file was first read; 1 or 0 where only the whole file was
-        looked at (``mincore``)."""
-        before = self._cached_before
-        if before is None:
-            return 1.0 if self._cached() else 0.0
-        w, size = CACHE_WINDOW_BYTES, self._size or 0
-        lo = min(offset // w, len(before) - 1)
-        hi = min(-(-(offset + max(length, 1)) // w), len(before) - 1)
-        pages = -(-(min(hi * w, size) - lo * w) // PAGE)
-        return (before[hi] - before[lo]) / pages if pages > 0 else 1.0
+        r = self._residency
+        if r is None:
+            self._cached()
+            r = self._residency
+            assert r is not None
+        return r.share_at(offset, length, self._size or 0)
 
     def _read_direct(self, offset: int, buf: memoryview) -> None:
         """``buf`` from the file with ``O_DIRECT``: the aligned range around it into this thread's

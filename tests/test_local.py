@@ -22,7 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 import aload
-from aload import _syscalls, local
+from aload import _syscalls, local, pagecache
 from aload._syscalls import all_cached, libc, window_pages
 from aload.arena import byte_view
 from aload.local import DIRECT_PIECE_BYTES, WARM_PIECE_BYTES, LocalSource
@@ -458,7 +458,7 @@ def test_the_page_cache_is_sampled_at_each_windows_end(write: Callable[..., Path
     path = write({"t": torch.arange(14 * MiB // 4, dtype=torch.float32)})  # 3 windows and a part
     path.read_bytes()
     needs_cachestat(path)
-    size, w, sample = path.stat().st_size, 4 * MiB, local.CACHE_SAMPLE_BYTES
+    size, w, sample = path.stat().st_size, 4 * MiB, pagecache.CACHE_SAMPLE_BYTES
     full = [-(-min(w, size - off) // 4096) for off in range(0, size, w)]
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -554,7 +554,7 @@ async def test_a_file_partly_evicted_is_read_from_the_cache_where_it_is_and_from
     path.read_bytes()
     needs_cachestat(path)
     drop_cache(path, size // 2)
-    front, back = (0, size // 2 - local.CACHE_WINDOW_BYTES), (size // 2 + 4096, size)  # whole pages only
+    front, back = (0, size // 2 - pagecache.CACHE_WINDOW_BYTES), (size // 2 + 4096, size)  # whole pages only
     if resident(path, *front) < 1 or resident(path, *back) > 0:
         pytest.skip("the page cache did not keep the first half and drop the second")
     if into == "stream":
@@ -596,7 +596,7 @@ async def test_a_tensor_partly_evicted_comes_from_the_cache_and_the_rest_through
     drop_cache(path, hole[0], hole[1] - hole[0])
     if resident(path, *hole) > 0 or resident(path, 0, hole[0]) < 1:
         pytest.skip("the page cache did not drop just the hole")
-    assert local.WARM_SHARE <= 0.6  # 66% of the tensor stays cached at worst
+    assert pagecache.WARM_SHARE <= 0.6  # 66% of the tensor stays cached at worst
     if into == "stream":
         async with aload.stream(path) as s:
             got = {name: t.clone() async for name, t in s}
