@@ -462,6 +462,8 @@ def test_the_page_cache_is_sampled_at_each_windows_end(write: Callable[..., Path
     full = [-(-min(w, size - off) // 4096) for off in range(0, size, w)]
     fd = os.open(path, os.O_RDONLY)
     try:
+        if window_pages(fd, size, w) != full:
+            pytest.skip("the file did not stay in the page cache")
         assert window_pages(fd, size, w, sample) == full
         drop_cache(path, w, w)  # the second window out
         drop_cache(path, 2 * w, 2 * MiB)  # the first half of the third, which is not looked at
