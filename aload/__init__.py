@@ -7,7 +7,8 @@ from .bridge import LoadCancelled
 from .checkpoint import Checkpoint, Shard, open
 from .errors import AloadError, CheckpointError, HeaderError, LoadError, SourceError, UsageError
 from .format import TensorSpec
-from .loader import Installed, Loader, LoadReport, load, load_sync
+from .install import Installed, Loader
+from .loader import LoadReport, load, load_sync
 from .pipeline import TensorStream, stream
 from .reader import Progress, ReaderStats
 from .sources import preload

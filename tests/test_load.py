@@ -379,7 +379,7 @@ def test_load_under_uvloop_keeps_the_loop_free(tmp_path: Path) -> None:
 
 
 def test_one_walk_finds_what_named_parameters_buffers_and_state_dict_find() -> None:
-    from aload.loader import _modules, _named_modules, _walk
+    from aload.install import _modules, _named_modules, _walk
 
     model = hf_llama(tie_word_embeddings=True)
     shared = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
@@ -412,7 +412,7 @@ def test_one_walk_finds_what_named_parameters_buffers_and_state_dict_find() -> N
 
 
 def test_post_processing_finds_quant_method_however_it_is_defined() -> None:
-    from aload.loader import Loader
+    from aload.install import Loader
 
     seen: list[str] = []
 
