@@ -12,18 +12,26 @@ A manifest is one of:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import posixpath
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from ._threads import run_in_thread
+from .arena import byte_view
 from .checkpoint import Checkpoint, Shard
 from .errors import CheckpointError, UsageError
+from .sources import IOPool
+
+if TYPE_CHECKING:
+    import torch
+
+    from .plan import Unit
 
 #: What ``verify=`` takes.
 Manifest = Union[Mapping[str, str], str, "os.PathLike[str]"]
@@ -157,3 +165,54 @@ class ShardHash:
                 f"SHA-256 mismatch: the manifest says {self.expected}, the bytes read hash to {actual}",
                 url=self.shard.url,
             )
+
+
+class Digests:
+    """The running digests of a load's shards (shard URL -> ``ShardHash``), fed unit by unit on
+    a thread of their own; ``verified()`` is called for each shard whose digest matched. The plan
+    must cover every byte (``make_plan(read_all=True)``)."""
+
+    def __init__(self, hashes: dict[str, ShardHash], units: list[Unit], verified: Callable[[], None]) -> None:
+        self._hashes = hashes
+        self._tail: dict[str, asyncio.Task[None]] = {}
+        self._last = {u.items[0].spec.shard: u for u in units if u.items}
+        self._pool = IOPool(1)
+        self._verified = verified
+
+    def chain(self, read: asyncio.Task[None], unit: Unit, data: torch.Tensor | None) -> asyncio.Task[None]:
+        """A task that hashes ``unit`` (its bytes: ``data``) after its read and after the shard's
+        previous unit, so the digest sees the file in order while reads stay concurrent. Delivery
+        waits for it, so the consumer never holds (or writes into) bytes not yet hashed."""
+        shard = unit.items[0].spec.shard
+        task = asyncio.ensure_future(
+            self._hash(read, self._tail.get(shard), self._hashes[shard], data, self._last[shard] is unit)
+        )
+        self._tail[shard] = task
+        return task
+
+    async def _hash(
+        self,
+        read: asyncio.Task[None],
+        previous: asyncio.Task[None] | None,
+        sha: ShardHash,
+        data: torch.Tensor | None,
+        last: bool,
+    ) -> None:
+        await read
+        if previous is not None:
+            await previous
+        if data is not None and data.numel():
+            await self._pool.run(sha.update, byte_view(data))
+        if last:
+            sha.check()
+            self._verified()
+
+    def check_unread(self) -> None:
+        """Shards that no unit covers (no tensors): their digest is of the header alone."""
+        for shard, sha in self._hashes.items():
+            if shard not in self._last:
+                sha.check()
+                self._verified()
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()

@@ -29,7 +29,7 @@ import torch
 from ._threads import PAUSE_AFTER_S
 from .arena import ALIGN, ARENA, MAPPED, OUTSIDE, Arena, Lease, UnitView, byte_view, cut, host_array, prefault
 from .errors import UsageError
-from .integrity import ShardHash
+from .integrity import Digests, ShardHash
 from .plan import Plan, Unit
 from .sources import IOPool, Source
 
@@ -84,11 +84,7 @@ class Reader:
     ) -> None:
         _check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency, chunk_bytes=chunk_bytes)
         self.plan = plan
-        # Digests: shard URL -> running hash; the plan must cover every byte (make_plan read_all).
-        self._hashes = hashes
-        self._hash_tail: dict[str, asyncio.Task[None]] = {}
-        self._last_unit = {u.items[0].spec.shard: u for u in plan.units if u.items} if hashes else {}
-        self._hasher = IOPool(1)
+        self._digests = Digests(hashes, plan.units, self._verified) if hashes is not None else None
         self.stats = ReaderStats()
         # Whether the final consumer is blocked waiting for a tensor. For plain `async for`,
         # waiting on the reader is that; a bridge to a thread replaces it with its own probe.
@@ -203,6 +199,9 @@ class Reader:
         weakref.finalize(view, self._released_threadsafe, kind, start, n, source)
         return lease
 
+    def _verified(self) -> None:
+        self.stats.verified_shards += 1
+
     def _released_threadsafe(self, kind: str, start: int, n: int, source: Source | None) -> None:
         if source is not None:
             source.release(start, n)
@@ -239,8 +238,10 @@ class Reader:
             task = asyncio.ensure_future(self._read(unit, lease))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-            if self._hashes is not None and unit.items:
-                task = self._chain_hash(task, unit, lease)
+            if self._digests is not None and unit.items:
+                task = self._digests.chain(task, unit, lease.tensor if lease is not None else unit.dest)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
             await self._queue.put((unit, lease, task))
             del lease
         await self._queue.put(None)
@@ -280,38 +281,6 @@ class Reader:
         await asyncio.gather(*(self._read_chunk(unit, buf, off, n, buffered) for off, n in unit.chunks(piece)))
         if unit.dest is not None:
             self.stats.direct_bytes += unit.nbytes
-
-    def _chain_hash(self, read: asyncio.Task[None], unit: Unit, lease: Lease | None) -> asyncio.Task[None]:
-        """A task that hashes ``unit`` after its read and after the shard's previous unit, so the
-        digest sees the file in order while reads stay concurrent. Delivery waits for it, so the
-        consumer never holds (or writes into) bytes not yet hashed."""
-        assert self._hashes is not None
-        shard = unit.items[0].spec.shard
-        data = lease.tensor if lease is not None else unit.dest
-        task = asyncio.ensure_future(
-            self._hash(read, self._hash_tail.get(shard), self._hashes[shard], data, self._last_unit[shard] is unit)
-        )
-        self._hash_tail[shard] = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    async def _hash(
-        self,
-        read: asyncio.Task[None],
-        previous: asyncio.Task[None] | None,
-        sha: ShardHash,
-        data: torch.Tensor | None,
-        last: bool,
-    ) -> None:
-        await read
-        if previous is not None:
-            await previous
-        if data is not None and data.numel():
-            await self._hasher.run(sha.update, byte_view(data))
-        if last:
-            sha.check()
-            self.stats.verified_shards += 1
 
     async def _prefault(self, lease: Lease) -> None:
         """Fault in the parts of a lease's buffer never used before, in one call on a thread."""
@@ -363,7 +332,8 @@ class Reader:
         while True:
             entry = await self._next_unit()
             if entry is None:
-                self._check_unread_shards()
+                if self._digests is not None:
+                    self._digests.check_unread()
                 return
             unit, lease, task = entry
             await task
@@ -406,13 +376,6 @@ class Reader:
                 Progress(s.tensors, self.plan.tensors, s.bytes, self.plan.nbytes, time.perf_counter() - self._t0)
             )
 
-    def _check_unread_shards(self) -> None:
-        """Shards that no unit covers (no tensors): their digest is of the header alone."""
-        for shard, sha in (self._hashes or {}).items():
-            if shard not in self._last_unit:
-                sha.check()
-                self.stats.verified_shards += 1
-
     async def _next_unit(self) -> tuple[Unit, Lease | None, asyncio.Task[None]] | None:
         get = asyncio.ensure_future(self._queue.get())
         self._pending_get = get
@@ -439,7 +402,8 @@ class Reader:
             self._queue.get_nowait()
         self._arena.drop()  # tensors still held keep their part alive; the rest returns now
         await self._helper.aclose()
-        await self._hasher.aclose()
+        if self._digests is not None:
+            await self._digests.aclose()
 
 
 async def all_ready(sources: Iterable[Source]) -> None:
