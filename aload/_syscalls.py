@@ -190,7 +190,7 @@ def window_pages(fd: int, size: int, window: int, sample: int | None = None) -> 
             _cachestat_ok = False  # ENOSYS before 6.5, EPERM under a seccomp filter: mincore instead
             return None
         whole = -(-n // PAGE)
-        looked = min(whole, -(-(size - span.off) // PAGE), -(-span.len // PAGE))
+        looked = min(whole, -(-span.len // PAGE))  # the sample's pages, or the whole window's
         pages.append(whole if stat.cache >= looked else stat.cache * whole // looked)
     return pages
 

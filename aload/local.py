@@ -352,7 +352,7 @@ class LocalSource(Source):
             self._cached()
             r = self._residency
             assert r is not None
-        return r.share_at(offset, length, self._size or 0)
+        return r.share_at(offset, length)
 
     def _read_direct(self, offset: int, buf: memoryview) -> None:
         """``buf`` from the file with ``O_DIRECT``: the aligned range around it into this thread's

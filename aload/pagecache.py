@@ -52,11 +52,12 @@ class Residency:
     """A file's pages in the page cache when it was looked at: how many in each window (``before[i]``:
     in the windows before the i-th), or only whether all of it was (``before`` None)."""
 
-    __slots__ = ("_before", "warm")
+    __slots__ = ("_before", "_size", "warm")
 
-    def __init__(self, warm: bool, before: list[int] | None = None) -> None:
+    def __init__(self, warm: bool, before: list[int] | None = None, size: int = 0) -> None:
         self.warm = warm
         self._before = before
+        self._size = size
 
     @classmethod
     def look(cls, fd: int, size: int, mapping: Callable[[], np.ndarray[Any, Any]]) -> Residency:
@@ -68,16 +69,15 @@ class Residency:
         before = [0]
         for n in pages:
             before.append(before[-1] + n)
-        return cls(before[-1] >= ALL_CACHED * -(-size // PAGE), before)
+        return cls(before[-1] >= ALL_CACHED * -(-size // PAGE), before, size)
 
-    def share_at(self, offset: int, length: int, size: int) -> float:
-        """The share of the pages of the windows holding bytes ``offset``..``offset + length`` (of a
-        file of ``size`` bytes) that were in the page cache; 1 or 0 where only the whole file was
-        looked at."""
+    def share_at(self, offset: int, length: int) -> float:
+        """The share of the pages of the windows holding bytes ``offset``..``offset + length`` that
+        were in the page cache; 1 or 0 where only the whole file was looked at."""
         before = self._before
         if before is None:
             return 1.0 if self.warm else 0.0
-        w = CACHE_WINDOW_BYTES
+        w, size = CACHE_WINDOW_BYTES, self._size
         lo = min(offset // w, len(before) - 1)
         hi = min(-(-(offset + max(length, 1)) // w), len(before) - 1)
         pages = -(-(min(hi * w, size) - lo * w) // PAGE)

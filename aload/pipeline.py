@@ -90,7 +90,9 @@ class TensorStream:
         if self._verify is not None:
             digests = await digests_for(self._verify, self.checkpoint)
             hashes = {s.url: ShardHash(s, digests[s.url]) for s in self.checkpoint.shards}
-        # How a source's tensors are read (in runs, in large views) depends on its page cache.
+        # How a source's tensors are read (in runs, in large views) depends on its page cache. All
+        # at once, not one by one as the reads reach each shard: a thread round trip per shard, in
+        # turn, made a 64-shard load 7-10% slower.
         await all_ready(self.checkpoint.store.source(s.name) for s in self.checkpoint.shards)
         args = (self.checkpoint, self._names, self._dest, group, hashes is not None, max(1, self._budget // 4))
         # Planning is pure Python, one step per tensor: for a large checkpoint on a thread, where

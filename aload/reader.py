@@ -199,9 +199,6 @@ class Reader:
         weakref.finalize(view, self._released_threadsafe, kind, start, n, source)
         return lease
 
-    def _verified(self) -> None:
-        self.stats.verified_shards += 1
-
     def _released_threadsafe(self, kind: str, start: int, n: int, source: Source | None) -> None:
         if source is not None:
             source.release(start, n)
@@ -221,27 +218,29 @@ class Reader:
         self._changed.set()
 
     # -- reads ----------------------------------------------------------------------------
+    def _track(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+        """``task``, cancelled and awaited by ``aclose`` if it is still running then."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _verified(self) -> None:  # a shard's digest matched
+        self.stats.verified_shards += 1
+
     async def _produce(self) -> None:
-        # Every source made ready at once, not one by one as the plan reaches it: a thread round
-        # trip per shard, in turn, made a 64-shard load 7-10% slower.
-        ready = asyncio.ensure_future(all_ready(u.source for u in self.plan.units))
-        self._tasks.add(ready)
-        ready.add_done_callback(self._tasks.discard)
         for unit in self.plan.units:
-            await unit.source.ready()  # at once but for a source's first unit, or if it failed
+            # Every source was made ready before the plan (``all_ready``, all at once): at once,
+            # unless that failed, which is raised here.
+            await unit.source.ready()
             if self._buffered(unit):
                 while self._unread >= self._window:
                     self._changed.clear()
                     await self._changed.wait()
                 self._unread += unit.nbytes
             lease = await self._acquire(unit) if not unit.in_place and unit.nbytes else None
-            task = asyncio.ensure_future(self._read(unit, lease))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task = self._track(asyncio.ensure_future(self._read(unit, lease)))
             if self._digests is not None and unit.items:
-                task = self._digests.chain(task, unit, lease.tensor if lease is not None else unit.dest)
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                task = self._track(self._digests.chain(task, unit, lease.tensor if lease is not None else unit.dest))
             await self._queue.put((unit, lease, task))
             del lease
         await self._queue.put(None)
