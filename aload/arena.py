@@ -146,8 +146,8 @@ class UnitView:
         dtype = spec.torch_dtype
         typed = self.typed.get(dtype)
         if typed is None:
-            n = self.base.numel() - self.base.numel() % spec.itemsize
-            typed = self.typed[dtype] = self.base[:n].view(dtype)
+            base, extra = self.base, self.base.numel() % spec.itemsize
+            typed = self.typed[dtype] = (base[:-extra] if extra else base).view(dtype)
         return typed.as_strided(spec.shape, _strides(spec.shape), item.offset // spec.itemsize)
 
 

@@ -277,7 +277,10 @@ class Reader:
         # Bytes in the page cache come in one piece (a mapped unit's then costs one length check,
         # not a task per chunk on the loop: 4 GiB warm through load_weights made 253 of them).
         piece = unit.source.piece_bytes(self._chunk, unit.start, unit.nbytes, mapped=buf is None)
-        await asyncio.gather(*(self._read_chunk(unit, buf, off, n, buffered) for off, n in unit.chunks(piece)))
+        if piece >= unit.nbytes:  # one read: awaited here, not in a task of its own
+            await self._read_chunk(unit, buf, 0, unit.nbytes, buffered)
+        else:
+            await asyncio.gather(*(self._read_chunk(unit, buf, off, n, buffered) for off, n in unit.chunks(piece)))
         if unit.dest is not None:
             self.stats.direct_bytes += unit.nbytes
 
@@ -376,6 +379,8 @@ class Reader:
             )
 
     async def _next_unit(self) -> tuple[Unit, Lease | None, asyncio.Task[None]] | None:
+        if not self._queue.empty():  # read ahead: no task, no wait
+            return self._queue.get_nowait()
         get = asyncio.ensure_future(self._queue.get())
         self._pending_get = get
         self._changed.set()
