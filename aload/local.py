@@ -8,10 +8,7 @@ read modes below say; which is which is decided per unit from the page cache's w
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
-import sys
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
@@ -19,20 +16,10 @@ from urllib.parse import unquote, urlparse
 import aiofiles
 import numpy as np
 
-from ._syscalls import (
-    IOVEC_OK,
-    MADV_DONTNEED,
-    MADV_POPULATE_READ,
-    PAGE,
-    bounce_buffer,
-    libc,
-    madvise_in_steps,
-    map_private,
-    pread_into,
-    preadv_scatter,
-    willneed,
-)
+from ._syscalls import IOVEC_OK, libc, pread_into, preadv_scatter, willneed
+from .direct import ALIGN, DIRECT_DEPTH, DIRECT_PIECE_BYTES, O_DIRECT_MIN_BYTES, DirectFile
 from .errors import SourceError, UsageError
+from .mapping import FileMapping, check_length
 from .pagecache import ALL_CACHED, WARM_SHARE, Residency, share_of
 from .sources import IOPool, Source, Store
 
@@ -73,16 +60,6 @@ MAPPED_RUN_BYTES = 128 << 20
 #: checkpoint whose tensors start at 3,584-4,088 bytes into a page fell in it: such copies go by
 #: ``preadv`` in pieces of ``COPY_OUT_MIN_BYTES`` across the read threads instead.
 ALIASED_BYTES = 512
-#: A file on disk is read with ``O_DIRECT`` (past the page cache, as Run:ai's streamer does), in
-#: pieces of ``DIRECT_PIECE_BYTES`` with ``DIRECT_DEPTH`` in flight, each through a small aligned
-#: buffer of its thread and copied out. Measured on this VM, 4 GiB cold: 1 MiB x 16 gave
-#: 2.9-3.1 GB/s (2 MiB x 16: 2.8, 4 MiB x 16: 2.1, 1 MiB x 32: 2.9); buffered reads through the
-#: page cache 1.3-2.1, with the vCPUs busier (page-cache work and its copies).
-DIRECT_PIECE_BYTES = 1 << 20
-DIRECT_DEPTH = 16
-#: Reads smaller than this (headers, coalesced small tensors) stay buffered, even from a cold file.
-O_DIRECT_MIN_BYTES = 256 << 10
-_ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses in multiples of the block size
 
 
 def _path_from_url(url: str) -> str:
@@ -127,12 +104,9 @@ class LocalSource(Source):
         self._pool = pool
         self._direct_pool = direct_pool if self.can_map and mode == "map" and hasattr(os, "O_DIRECT") else None
         self._fd: int | None = None
-        self._dfd: int | None = None  # the same file opened with O_DIRECT
-        self._direct = False  # whether reads go through _dfd: it opened, and no read was refused
+        self._dio: DirectFile | None = None  # the same file opened with O_DIRECT (``aload.direct``)
         self._size: int | None = None
-        self._bytes: np.ndarray[Any, Any] | None = None
-        self._map_lock = threading.Lock()
-        self._populate_read = libc is not None and sys.platform.startswith("linux")
+        self._map: FileMapping | None = None  # made with the size known, mapped at first need
         self._residency: Residency | None = None  # the page cache when the file was first read
         self._deciding: asyncio.Future[bool] | None = None  # working that out, on a thread
         self.scatters = IOVEC_OK  # every read mode: a buffered preadv into the destinations
@@ -144,13 +118,16 @@ class LocalSource(Source):
             except OSError as exc:
                 raise SourceError(f"cannot open: {exc.strerror}", url=self.url) from exc
             self._size = os.fstat(self._fd).st_size
+            if self.can_map and self._size:
+                self._map = FileMapping(self._fd, self._size, self.url)
             if self._direct_pool is not None:
-                try:  # the very file opened above, even if its path now names another
-                    self._dfd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-                    self._direct = True
-                except OSError:  # no procfs, or a filesystem without O_DIRECT (tmpfs)
-                    self._dfd = None
+                self._dio = DirectFile.open(self._fd, self.url)
         return self._fd
+
+    @property
+    def _direct(self) -> bool:
+        """Whether bytes on disk are read with ``O_DIRECT``: the file opened so, no read refused."""
+        return self._dio is not None and self._dio.ok
 
     async def size(self) -> int:
         if self._size is None:
@@ -188,48 +165,24 @@ class LocalSource(Source):
         elif cached:
             await self._pool.run(self._copy_out, offset, buf)
         else:
-            assert self._direct_pool is not None  # _direct: the file opened with O_DIRECT in it
+            assert self._direct_pool is not None and self._dio is not None  # _direct: opened with O_DIRECT
             await self._direct_pool.start_from(self._pool)
             step = DIRECT_PIECE_BYTES
             pieces = [(offset + o, buf[o : o + step]) for o in range(0, n, step)]
-            await self._direct_pool.run_all(self._read_direct, pieces)
+            await self._direct_pool.run_all(self._dio.read_bounced, pieces)
 
     def frame_align(self, offset: int, length: int) -> int:
         """Bytes on disk read with ``O_DIRECT`` go straight into a buffer aligned as the file is:
         no bounce buffer, no copy out of it (8 GiB cold through ``load_weights``: ~2 CPU s less)."""
-        direct = self._direct and self._dfd is not None and length >= O_DIRECT_MIN_BYTES
-        return _ALIGN if direct and not self._in_cache(offset, length) else 0
+        direct = self._direct and length >= O_DIRECT_MIN_BYTES
+        return ALIGN if direct and not self._in_cache(offset, length) else 0
 
     async def read_frame(self, offset: int, frame: memoryview, need: int) -> None:
-        assert self._direct_pool is not None  # frame_align: the file opened with O_DIRECT in it
+        assert self._direct_pool is not None and self._dio is not None  # frame_align: opened with O_DIRECT
         await self._direct_pool.start_from(self._pool)
         step = DIRECT_PIECE_BYTES
         pieces = [(offset + o, frame[o : o + step], min(step, need - o)) for o in range(0, need, step)]
-        await self._direct_pool.run_all(self._read_aligned, pieces)
-
-    def _read_aligned(self, offset: int, buf: memoryview, need: int, wanted: tuple[int, int] | None = None) -> None:
-        """At least the first ``need`` bytes of the aligned ``buf`` from the aligned ``offset``,
-        with ``O_DIRECT`` into ``buf`` itself; its rest is slack the file may end in. Errors name
-        ``wanted``, the bytes asked for (by default those ``need``)."""
-        wanted = wanted or (offset, offset + need)
-        got = 0
-        while got < need:
-            dfd = self._dfd
-            if not self._direct or dfd is None:  # refused by an earlier read
-                return pread_into(self._fd, buf[got:need], offset + got, self.url)  # type: ignore[arg-type]
-            try:
-                r = os.preadv(dfd, [buf[got:]], offset + got)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise SourceError(f"read failed: {exc.strerror}", url=self.url, byte_range=wanted) from exc
-                self._direct = False  # not for this file after all
-                continue
-            if r == 0:
-                raise SourceError(f"file ended at byte {offset + got}", url=self.url, byte_range=wanted)
-            got += r
-            if got % _ALIGN and got < need:  # a short read mid-file: finish buffered
-                return pread_into(self._fd, buf[got:need], offset + got, self.url)  # type: ignore[arg-type]
-        return None
+        await self._direct_pool.run_all(self._dio.read_aligned, pieces)
 
     async def prefetch(self, offset: int, length: int) -> None:
         """The pages not in the page cache asked for (``POSIX_FADV_WILLNEED``: exactly these
@@ -261,22 +214,19 @@ class LocalSource(Source):
         return self._mapping()[offset : offset + length]
 
     def _mapping(self) -> np.ndarray[Any, Any]:
-        """The whole file, mapped at first need, once, whichever thread asks first (a file read
-        from the disk is never mapped)."""
-        arr = self._bytes
-        if arr is None:
-            with self._map_lock:
-                if self._bytes is None:
-                    assert self._fd is not None and self._size, "headers are read before data"
-                    self._bytes = map_private(self._fd, self._size, self.url)
-                arr = self._bytes
-        return arr
+        """The whole file, mapped at first need (``aload.mapping``)."""
+        assert self._map is not None, "headers are read before data"
+        return self._map.array()
 
     async def populate(self, offset: int, length: int) -> None:
         # All cached: the consumer's first touch maps each page, as with any memory-mapped
         # loader; mapping ahead on a thread only took cores from that copy (4 GiB through
         # load_weights, warm, 3 runs each: 9.3-10.0 vs 9.3 GB/s, RSS 250 vs 508 MiB).
         await self._unless_cached(self._populate, offset, length)
+
+    def _populate(self, offset: int, length: int) -> None:
+        assert self._map is not None
+        self._map.populate(offset, length)
 
     async def _unless_cached(self, fn: Callable[[int, int], None], offset: int, length: int) -> None:
         """``fn(offset, length)`` on a read thread, unless all of those bytes sat in the page
@@ -354,78 +304,28 @@ class LocalSource(Source):
             assert r is not None
         return r.share_at(offset, length)
 
-    def _read_direct(self, offset: int, buf: memoryview) -> None:
-        """``buf`` from the file with ``O_DIRECT``: the aligned range around it into this thread's
-        buffer, then copied out. A filesystem that refuses the alignment gets buffered reads."""
-        assert libc is not None
-        n = len(buf)
-        if not self._direct or self._dfd is None:  # refused by an earlier read
-            return pread_into(self._fd, buf, offset, self.url)  # type: ignore[arg-type]
-        lo = offset - offset % _ALIGN
-        span = -(-(offset + n - lo) // _ALIGN) * _ALIGN
-        bounce, addr = bounce_buffer(span)
-        self._read_aligned(lo, bounce[:span], offset + n - lo, (offset, offset + n))
-        dst = np.frombuffer(buf, dtype=np.uint8)
-        libc.memcpy(dst.ctypes.data, addr + (offset - lo), n)
-        return None
-
     def _copy_out(self, offset: int, buf: memoryview) -> None:
-        """``buf`` from the mapping: its pages faulted in (from the disk if need be), copied with
-        one ``memcpy`` (the GIL let go), then dropped from this process. Measured on a 4 GiB
-        checkpoint on this VM, warm, two threads: 13.8-15.6 GB/s against 9.3-9.5 for ``preadv``."""
-        assert libc is not None
-        n = len(buf)
-        if n == 0:
-            return
-        arr = self._mapping()
-        self._populate(offset, n)
-        dst = np.frombuffer(buf, dtype=np.uint8)
-        libc.memcpy(dst.ctypes.data, arr.ctypes.data + offset, n)
-        self.release(offset, n)
+        assert self._map is not None
+        self._map.copy_out(offset, buf)
 
     def _check_length(self, offset: int, length: int) -> None:
-        # A mapped page past the end of a file truncated since it was opened would kill the
-        # process (SIGBUS) when touched: check first, so the common case is an error instead.
         assert self._fd is not None
-        if os.fstat(self._fd).st_size < offset + length:
-            raise SourceError("file shrank since it was opened", url=self.url, byte_range=(offset, offset + length))
-
-    def _populate(self, offset: int, length: int) -> None:
-        assert self._fd is not None and self._bytes is not None
-        self._check_length(offset, length)
-        first = offset - offset % PAGE
-        # Exactly these bytes asked for first: a fault on a missing page reads around it
-        # (``read_ahead_kb``, 8 MiB on the VM measured), into neighbours read with O_DIRECT.
-        willneed(self._fd, offset, length)
-        if self._populate_read:
-            # One call faults the range in (with the kernel's readahead) and lets go of the GIL
-            # throughout: touching pages from numpy holds it for small ranges, and on a cold
-            # disk each fault waits for the device while the event loop waits for the GIL.
-            err = madvise_in_steps(self._bytes.ctypes.data + first, offset + length - first, MADV_POPULATE_READ)
-            if err == 0:
-                return
-            if err == errno.EFAULT:  # a page past the end of the file: it shrank after the check
-                raise SourceError("file shrank since it was opened", url=self.url, byte_range=(offset, offset + length))
-            if err == errno.EINVAL:  # a kernel before 5.14: touch the pages instead, from now on
-                self._populate_read = False
-        int(self._bytes[first : offset + length : PAGE].max())  # one read per page faults it in
+        check_length(self._fd, offset, length, self.url)
 
     def release(self, offset: int, length: int) -> None:
-        # Drop the pages from this process's mapping so its RSS stays within the budget; they
-        # stay in the page cache. Only whole pages inside the range (neighbours may share one).
-        arr = self._bytes  # a local reference keeps the mapping alive during the call
-        lo, hi = -(-offset // PAGE) * PAGE, (offset + length) // PAGE * PAGE
-        if arr is not None and libc is not None and hi > lo:
-            madvise_in_steps(arr.ctypes.data + lo, hi - lo, MADV_DONTNEED)
+        m = self._map  # None once closed: the mapping goes with the last view of it
+        if m is not None:
+            m.release(offset, length)
 
     def close(self) -> None:
-        self._bytes = None  # unmapped when the last tensor viewing it dies
+        if self._map is not None:
+            self._map.drop()  # unmapped when the last tensor viewing it dies
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if self._dfd is not None:
-            os.close(self._dfd)
-            self._dfd = None
+        if self._dio is not None:
+            self._dio.close()
+            self._dio = None
 
 
 class LocalStore(Store):

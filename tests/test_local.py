@@ -22,10 +22,11 @@ from safetensors import safe_open
 from torch import nn
 
 import aload
-from aload import _syscalls, local, pagecache
+from aload import _syscalls, local, mapping, pagecache
 from aload._syscalls import all_cached, libc, window_pages
 from aload.arena import byte_view
-from aload.local import DIRECT_PIECE_BYTES, WARM_PIECE_BYTES, LocalSource
+from aload.direct import DIRECT_PIECE_BYTES, DirectFile
+from aload.local import WARM_PIECE_BYTES, LocalSource
 from aload.sources import IOPool
 
 from .conftest import collect, drop_cache, llama_like
@@ -149,8 +150,8 @@ async def test_a_warm_file_fills_tensors_under_16_mib_by_scattering_reads(
     cost more than the copy: 320 MB of ~1 MiB tensors, 2.4 -> 3.6 GB/s here). Larger tensors
     still come out of the mapping, by ``memcpy``."""
     mapped: list[str] = []
-    real = local.map_private
-    monkeypatch.setattr(local, "map_private", lambda fd, size, url: mapped.append(url) or real(fd, size, url))
+    real = mapping.map_private
+    monkeypatch.setattr(mapping, "map_private", lambda fd, size, url: mapped.append(url) or real(fd, size, url))
     scattered: list[int] = []
     scatter = LocalSource.scatter_into
     monkeypatch.setattr(
@@ -274,8 +275,8 @@ async def test_read_shared_brings_a_cold_file_in_through_the_page_cache(
     def direct(*args: Any) -> None:
         raise AssertionError("an O_DIRECT read")
 
-    monkeypatch.setattr(LocalSource, "_read_aligned", direct)
-    monkeypatch.setattr(LocalSource, "_read_direct", direct)
+    monkeypatch.setattr(DirectFile, "read_aligned", direct)
+    monkeypatch.setattr(DirectFile, "read_bounced", direct)
     if into == "parameters":
         model = flat(tensors)
         await aload.load(model, path, stages=aload.stages.rename(r"\.", "__"), read="shared")
@@ -332,8 +333,8 @@ async def test_a_filesystem_refusing_direct_reads_gets_buffered_ones(
     refused: list[int] = []
     real = os.preadv
     async with opened(path) as src:
-        dfd = src._dfd
-        assert dfd is not None
+        assert src._dio is not None
+        dfd = src._dio.dfd
 
         def preadv(fd: int, buffers: Any, offset: int) -> int:
             if fd == dfd:
@@ -517,8 +518,8 @@ async def test_what_the_page_cache_holds_decides_and_a_cold_file_is_never_mapped
     if how == "mincore":
         monkeypatch.setattr(_syscalls, "_cachestat_ok", False)
     mapped: list[str] = []
-    real = local.map_private
-    monkeypatch.setattr(local, "map_private", lambda fd, size, url: mapped.append(url) or real(fd, size, url))
+    real = mapping.map_private
+    monkeypatch.setattr(mapping, "map_private", lambda fd, size, url: mapped.append(url) or real(fd, size, url))
     tensors = {f"w{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB
     path = write(tensors)
     path.read_bytes()
@@ -548,8 +549,8 @@ async def test_a_file_partly_evicted_is_read_from_the_cache_where_it_is_and_from
     comes from the mapping, the evicted half with O_DIRECT, past the page cache (before, the
     whole file counted as on disk and every byte came from the disk)."""
     mapped: list[str] = []
-    real = local.map_private
-    monkeypatch.setattr(local, "map_private", lambda fd, size, url: mapped.append(url) or real(fd, size, url))
+    real = mapping.map_private
+    monkeypatch.setattr(mapping, "map_private", lambda fd, size, url: mapped.append(url) or real(fd, size, url))
     tensors = {f"w{i:02d}": torch.full((256, 1024), float(i)) for i in range(16)}  # 1 MiB each
     path = write(tensors)
     size = path.stat().st_size
@@ -586,9 +587,9 @@ async def test_a_tensor_partly_evicted_comes_from_the_cache_and_the_rest_through
     embedding of a warm run missing 6 MiB was read from the disk whole). Below that share it is read
     from the disk (the test above)."""
     direct: list[int] = []
-    real = LocalSource._read_direct
+    real = DirectFile.read_bounced
     monkeypatch.setattr(
-        LocalSource, "_read_direct", lambda self, offset, buf: direct.append(offset) or real(self, offset, buf)
+        DirectFile, "read_bounced", lambda self, offset, buf: direct.append(offset) or real(self, offset, buf)
     )
     tensors = {"big": torch.arange(16 * MiB, dtype=torch.float32), "small": torch.ones(8)}  # 64 MiB
     path = write(tensors)
@@ -835,7 +836,7 @@ async def test_a_file_on_disk_is_read_straight_into_the_buffer(
         raise AssertionError("read through the bounce buffer")
 
     monkeypatch.setattr(LocalSource, "read_frame", counted)
-    monkeypatch.setattr(LocalSource, "_read_direct", bounced)
+    monkeypatch.setattr(DirectFile, "read_bounced", bounced)
     async with aload.stream(path, chunk_bytes=MiB, max_inflight_bytes=budget) as s:
         got = await collect(s)
         assert s.stats.bytes_read == sum(t.nbytes for t in tensors.values())

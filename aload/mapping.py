@@ -1,0 +1,95 @@
+"""A local file's private mapping: views of it, its pages faulted in ahead of their consumer, and
+dropped from the process once consumed.
+
+The pages stay the page cache's until someone writes to a tensor, which then gets its own copy
+(copy-on-write) instead of a crash; dropping them from the mapping keeps the process's resident
+memory within the budget and leaves them in the page cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+from ._syscalls import MADV_DONTNEED, MADV_POPULATE_READ, PAGE, libc, madvise_in_steps, map_private, willneed
+from .errors import SourceError
+
+
+def check_length(fd: int, offset: int, length: int, url: str) -> None:
+    """Raise where the file no longer holds ``offset + length`` bytes: a mapped page past the end
+    of a file truncated since it was opened would kill the process (SIGBUS) when touched."""
+    if os.fstat(fd).st_size < offset + length:
+        raise SourceError("file shrank since it was opened", url=url, byte_range=(offset, offset + length))
+
+
+class FileMapping:
+    """The whole file open as ``fd``, mapped private at first need, once, whichever thread asks
+    first (a file read only from the disk is never mapped)."""
+
+    __slots__ = ("_array", "_fd", "_lock", "_populate_read", "_size", "url")
+
+    def __init__(self, fd: int, size: int, url: str) -> None:
+        self._fd, self._size, self.url = fd, size, url
+        self._array: np.ndarray[Any, Any] | None = None
+        self._lock = threading.Lock()
+        self._populate_read = libc is not None and sys.platform.startswith("linux")
+
+    def array(self) -> np.ndarray[Any, Any]:
+        arr = self._array
+        if arr is None:
+            with self._lock:
+                if self._array is None:
+                    self._array = map_private(self._fd, self._size, self.url)
+                arr = self._array
+        return arr
+
+    def populate(self, offset: int, length: int) -> None:
+        """Fault in the pages of ``offset..offset + length``, from the disk where they are not cached."""
+        arr = self.array()
+        check_length(self._fd, offset, length, self.url)
+        first = offset - offset % PAGE
+        # Exactly these bytes asked for first: a fault on a missing page reads around it
+        # (``read_ahead_kb``, 8 MiB on the VM measured), into neighbours read with O_DIRECT.
+        willneed(self._fd, offset, length)
+        if self._populate_read:
+            # One call faults the range in (with the kernel's readahead) and lets go of the GIL
+            # throughout: touching pages from numpy holds it for small ranges, and on a cold
+            # disk each fault waits for the device while the event loop waits for the GIL.
+            err = madvise_in_steps(arr.ctypes.data + first, offset + length - first, MADV_POPULATE_READ)
+            if err == 0:
+                return
+            if err == errno.EFAULT:  # a page past the end of the file: it shrank after the check
+                raise SourceError("file shrank since it was opened", url=self.url, byte_range=(offset, offset + length))
+            if err == errno.EINVAL:  # a kernel before 5.14: touch the pages instead, from now on
+                self._populate_read = False
+        int(arr[first : offset + length : PAGE].max())  # one read per page faults it in
+
+    def copy_out(self, offset: int, buf: memoryview) -> None:
+        """``buf`` from the mapping: its pages faulted in (from the disk if need be), copied with
+        one ``memcpy`` (the GIL let go), then dropped from this process. Measured on a 4 GiB
+        checkpoint on this VM, warm, two threads: 13.8-15.6 GB/s against 9.3-9.5 for ``preadv``."""
+        assert libc is not None
+        n = len(buf)
+        if n == 0:
+            return
+        arr = self.array()
+        self.populate(offset, n)
+        dst = np.frombuffer(buf, dtype=np.uint8)
+        libc.memcpy(dst.ctypes.data, arr.ctypes.data + offset, n)
+        self.release(offset, n)
+
+    def release(self, offset: int, length: int) -> None:
+        """Drop the whole pages inside the range from this process (neighbours may share the
+        pages at its ends); they stay in the page cache."""
+        arr = self._array  # a local reference keeps the mapping alive during the call
+        lo, hi = -(-offset // PAGE) * PAGE, (offset + length) // PAGE * PAGE
+        if arr is not None and libc is not None and hi > lo:
+            madvise_in_steps(arr.ctypes.data + lo, hi - lo, MADV_DONTNEED)
+
+    def drop(self) -> None:
+        self._array = None  # unmapped when the last tensor viewing it dies
