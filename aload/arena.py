@@ -16,9 +16,8 @@ import numpy as np
 import torch
 
 from ._syscalls import madvise_in_steps, memory_at
+from .direct import ALIGN  # O_DIRECT reads into a unit's buffer need its address aligned so
 from .plan import Item, Unit
-
-ALIGN = 4096  # O_DIRECT reads into a unit's buffer need its address page-aligned
 
 
 class Arena:

@@ -41,7 +41,7 @@ class DirectFile:
         """None where the file cannot be: no procfs, or a filesystem without ``O_DIRECT`` (tmpfs)."""
         try:  # the very file open as fd, even if its path now names another
             dfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-        except (OSError, AttributeError):
+        except OSError:
             return None
         return cls(fd, dfd, url)
 

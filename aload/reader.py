@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from ._threads import PAUSE_AFTER_S
-from .arena import ALIGN, ARENA, MAPPED, OUTSIDE, Arena, Lease, UnitView, byte_view, cut, host_array, prefault
+from .arena import ARENA, MAPPED, OUTSIDE, Arena, Lease, UnitView, byte_view, cut, host_array, prefault
+from .direct import ALIGN
 from .errors import UsageError
 from .integrity import Digests, ShardHash
 from .plan import Plan, Unit
