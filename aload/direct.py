@@ -16,11 +16,15 @@ import numpy as np
 from ._syscalls import bounce_buffer, libc, pread_into
 from .errors import SourceError
 
-#: Measured on this VM, 4 GiB cold: 1 MiB x 16 gave 2.9-3.1 GB/s (2 MiB x 16: 2.8, 4 MiB x 16: 2.1,
-#: 1 MiB x 32: 2.9); buffered reads through the page cache 1.3-2.1, with the vCPUs busier
-#: (page-cache work and its copies).
+#: Measured on this VM, 4 GiB cold: 1 MiB pieces did best (2 MiB: as fast or slower, 4 MiB x 16:
+#: 2.1 GB/s against 2.9-3.1); buffered reads through the page cache 1.3-2.1, with the vCPUs busier.
+#: The disk is as busy with 4 in flight as with 16 (its latency grows with the queue: 1.5 ms a
+#: read at 3.4 in flight, 5 ms at 10.8), and 16 threads coming back for the GIL held the event loop
+#: up: a cold 4 GiB load built-in 1.56-1.75 s at loop lateness p99 1.3-1.6 ms with 4, 1.88-2.22 s at
+#: 7.7-9.2 ms with 16. The reads in flight are ``max(concurrency, DIRECT_DEPTH)``: a host with more
+#: cores gets more by default, and ``concurrency`` raises it for a deeper device.
 DIRECT_PIECE_BYTES = 1 << 20
-DIRECT_DEPTH = 16
+DIRECT_DEPTH = 4
 #: Reads smaller than this (headers, coalesced small tensors) stay buffered, even from a cold file.
 O_DIRECT_MIN_BYTES = 256 << 10
 ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses in multiples of the block size

@@ -635,7 +635,7 @@ async def test_run_all_finishes_every_call_then_raises_the_first_error() -> None
 
 
 async def test_a_pool_starts_all_its_threads_from_another_pool() -> None:
-    """The direct-read pool's 16 threads are started by a thread of the file pool, each start
+    """The direct-read pool's threads are started by a thread of the file pool, each start
     waiting there rather than on the event loop; then every read finds a thread ready."""
     helper, pool = IOPool(1), IOPool(6)
     try:
