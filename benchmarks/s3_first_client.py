@@ -12,12 +12,13 @@ import argparse
 import asyncio
 import time
 
+import aload._boto as boto
 import aload.s3 as s3
 
 
 async def main(warm: bool) -> None:
     if not warm:
-        s3._WARMED = True  # skip the thread: create_client loads the models on the loop
+        boto._WARMED = True  # skip the thread: create_client loads the models on the loop
     lags: list[float] = []
 
     async def tick() -> None:

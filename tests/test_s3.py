@@ -217,14 +217,14 @@ def test_preload_imports_the_clients_and_loads_the_s3_models() -> None:
 
     import botocore
 
-    from aload import s3 as s3mod
+    from aload import _boto
 
-    s3mod._WARMED = False
+    _boto._WARMED = False
     botocore._xform_cache.clear()  # operation names, filled by building a client
     threads = set(threading.enumerate())
     aload.preload("http", "s3")
-    assert {"aiohttp", "aiobotocore", "aload.http", "aload.s3"} <= set(sys.modules) and s3mod._WARMED
-    loader = s3mod._session().get_component("data_loader")
+    assert {"aiohttp", "aiobotocore", "aload.http", "aload.s3"} <= set(sys.modules) and _boto._WARMED
+    loader = _boto._session().get_component("data_loader")
     assert loader.load_service_model("s3", "service-2")["metadata"]["endpointPrefix"] == "s3"
     assert ("GetObject", "_") in botocore._xform_cache  # a client was built (and closed: no warning)
     assert set(threading.enumerate()) <= threads  # its thread is gone
