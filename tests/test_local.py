@@ -634,6 +634,37 @@ async def test_run_all_finishes_every_call_then_raises_the_first_error() -> None
         await pool.aclose()
 
 
+async def test_a_read_that_fails_after_its_caller_gave_up_is_not_logged_as_never_retrieved() -> None:
+    """A read still running when the load was cancelled, failing afterwards (a file truncated under
+    it): the pool's close waits for it and takes its error, so asyncio does not log "Future
+    exception was never retrieved" at the next collection (seen once after a full test run)."""
+    loop = asyncio.get_running_loop()
+    logged: list[dict[str, Any]] = []
+    before = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: logged.append(context))
+    started = threading.Event()
+
+    def fails_later() -> None:
+        started.set()
+        threading.Event().wait(0.2)
+        raise OSError(errno.EIO, "gone")
+
+    pool = IOPool(2)
+    try:
+        task = asyncio.ensure_future(pool.run(fails_later))
+        await asyncio.to_thread(started.wait, 5)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await pool.aclose()
+        del task
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not logged, logged
+    finally:
+        loop.set_exception_handler(before)
+
+
 async def test_a_pool_starts_all_its_threads_from_another_pool() -> None:
     """The direct-read pool's threads are started by a thread of the file pool, each start
     waiting there rather than on the event loop; then every read finds a thread ready."""
