@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ._syscalls import madvise_in_steps, memory_at
-from .direct import ALIGN  # O_DIRECT reads into a unit's buffer need its address aligned so
+from .direct import ALIGN  # O_DIRECT reads into a unit's buffer need its address aligned
 from .plan import Item, Unit
 
 
