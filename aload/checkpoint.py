@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NoReturn, TypeVar
 
+from ._json import loads_index
 from ._threads import Pacer, paced
 from .errors import CheckpointError
-from .format import TensorSpec, header_length, loads_index, parse_header
+from .format import TensorSpec, header_length, parse_header
 from .sources import Source, Store, import_store, open_store
 
 T = TypeVar("T")

@@ -9,19 +9,16 @@ implementation: the tensors, sorted by offset, tile the data area exactly.
 from __future__ import annotations
 
 import ctypes
-import gc
-import json
 import operator
-import re
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from ._threads import Pacer, paced
+from ._json import gc_paused, loads_header
+from ._threads import paced
 from .errors import HeaderError
 
 #: safetensors' header limit; larger headers are refused before any allocation.
@@ -115,7 +112,7 @@ def parse_header(raw: bytes, file_size: int, url: str) -> Header:
     """Validate the JSON header ``raw`` (the N bytes after the prefix) of a file of ``file_size``."""
     data_start = 8 + len(raw)
     with gc_paused:
-        obj = _load_json(raw, url)
+        obj = loads_header(raw, url)
         metadata = _metadata(obj.pop("__metadata__", None), url)
         specs = []
         for i, (name, entry) in enumerate(paced(obj.items()), 1):
@@ -131,6 +128,10 @@ def parse_header(raw: bytes, file_size: int, url: str) -> Header:
         specs.sort(key=_START)
     _check_tiling(specs, file_size, data_start, url)
     return Header(tuple(specs), metadata, data_start)
+
+
+#: Tensors parsed between two collections of the youngest generation during a pause.
+_YOUNG_EVERY = 1024
 
 
 _START, _END = operator.attrgetter("start"), operator.attrgetter("end")
@@ -154,193 +155,6 @@ untrack = _untracker()
 #: ``_new_tuple(SomeNamedTuple, (fields...))`` makes one without the Python frame of its ``__new__``
 #: (headers and plans make tens of thousands).
 _new_tuple: Any = tuple.__new__
-
-
-class _GcPause:
-    """``with gc_paused:`` no cyclic garbage collection while a header is parsed. JSON makes three
-    containers per tensor (60,000 for a 20,000-tensor header), all alive until the parse ends, so
-    the collector ran ~150 times during one and, every load or two, a full collection of the whole
-    process (130-170 ms, holding the GIL and so the event loop): a third of a whole load's time.
-    Parsing makes no reference cycles, so nothing is left for later. Collection resumes when the
-    last pause ends (pauses on several threads nest) if it was enabled when the first began."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._depth = 0
-        self._resume = False
-
-    def __enter__(self) -> None:
-        with self._lock:
-            self._depth += 1
-            if self._depth == 1:
-                self._resume = gc.isenabled()
-                gc.disable()
-
-    def collect_young(self) -> None:
-        """During a pause, a collection of the youngest generation now, if collection will resume:
-        what the parse made would otherwise be examined in one go when it does (40,000 objects on
-        a 20,000-tensor header: 3.7-4.0 ms holding the GIL, 7 ms with the cores busy). Each small
-        one examines what was made since the last (a decoded piece of JSON, or a slice of specs),
-        untracks the shape tuples and moves the rest up a generation (the specs themselves are not
-        tracked: ``untrack``). Generation 0 only: a promotion to the oldest generation would bring
-        its full collection (100+ ms) nearer."""
-        if self._depth and self._resume:
-            gc.collect(0)
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._depth -= 1
-            if self._depth == 0 and self._resume:
-                gc.enable()
-
-
-gc_paused = _GcPause()
-#: Tensors parsed between two collections of the youngest generation during a pause.
-_YOUNG_EVERY = 1024
-
-
-def _load_json(raw: bytes, url: str) -> dict[str, Any]:
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out = dict(pairs)
-        if len(out) != len(pairs):
-            seen: set[str] = set()
-            dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-            raise HeaderError("header names a key twice", url=url, tensor=dup)
-        return out
-
-    try:
-        text = raw.decode("utf-8")
-        obj = _loads_in_pieces(text)  # the C decoder, fast; duplicates are checked below
-        if _may_hide_duplicates(raw, obj):
-            obj = json.loads(text, object_pairs_hook=no_duplicates)  # slow and exact
-    except HeaderError:
-        raise
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise HeaderError(f"header is not valid UTF-8 JSON: {exc}", url=url, byte_range=(8, 8 + len(raw))) from exc
-    if not isinstance(obj, dict):
-        raise HeaderError(f"header is a JSON {type(obj).__name__}, not an object", url=url)
-    return obj
-
-
-#: A large header is decoded this many characters at a time (~1 ms each): one ``json.loads`` of a
-#: 20,000-tensor header (1.9 MB) held the GIL 25-40 ms, and so the event loop, even from a thread.
-_JSON_PIECE = 64 * 1024
-
-
-def _loads_in_pieces(text: str) -> Any:
-    """``json.loads(text)`` of a header: a large one in pieces (see ``_object_in_pieces``), so other
-    threads get the GIL in between; invalid text is parsed whole, for the exact error."""
-    if len(text) <= 2 * _JSON_PIECE:
-        return json.loads(text)
-    at = len(text) - len(text.lstrip(_WS))
-    got = _object_in_pieces(text, at, _HEADER_CUT) if text[at : at + 1] == "{" else None
-    if got is None or text[got[1] :].strip(_WS):
-        return json.loads(text)
-    return got[0]
-
-
-def loads_index(text: str) -> Any:
-    """``json.loads(text)`` of a checkpoint index: a large ``weight_map`` in pieces (89,820 entries,
-    8.7 MB: one ``json.loads`` held the GIL 48 ms, and so the event loop, from its thread). The
-    rest of the text is parsed with the map's object replaced by a string no index holds, which
-    must come back as the top level's one ``weight_map``: anything else is parsed whole."""
-    if len(text) <= 2 * _JSON_PIECE:
-        return json.loads(text)
-    m = _WEIGHT_MAP.search(text)
-    got = _object_in_pieces(text, m.end() - 1, _INDEX_CUT) if m is not None else None
-    if got is not None and m is not None:
-        weight_map, end = got
-        rest = text[: m.end() - 1] + json.dumps(_SPLICED) + text[end:]
-        if rest.count('"weight_map"') == 1:
-            try:
-                obj = json.loads(rest)
-            except ValueError:
-                obj = None
-            if type(obj) is dict and obj.get("weight_map") == _SPLICED:
-                obj["weight_map"] = weight_map  # the same key, so the same place in the order
-                return obj
-    return json.loads(text)
-
-
-_WS = " \t\n\r"  # JSON's whitespace
-_DECODE = json.JSONDecoder().raw_decode
-#: Where a large object may be cut: the comma (group 1) between two members, after a member whose
-#: value is an object (a header, as safetensors writes it) or a string (an index's weight_map).
-_HEADER_CUT = re.compile(r'\}(,)"')
-_INDEX_CUT = re.compile(r'"(,)[ \t\n\r]*"')
-_WEIGHT_MAP = re.compile(r'"weight_map"[ \t\n\r]*:[ \t\n\r]*\{')
-_SPLICED = "\x00aload: the weight_map"
-
-
-def _object_in_pieces(text: str, at: int, cut: re.Pattern[str]) -> tuple[dict[str, Any], int] | None:
-    """The JSON object that starts at ``text[at]`` and the index just past it, decoded a piece of
-    ~``_JSON_PIECE`` characters at a time, cut between members; None if a piece does not parse.
-
-    Each piece is parsed as an object of its own; when every piece is a non-empty object, the
-    whole is one object with the pieces' members in order (JSON's grammar: ``{A,B}`` is an object
-    when ``{A}`` and ``{B}`` are), so the result is exactly the whole parse. A cut that falls
-    inside a string or a nested value, or past the object's end, leaves a piece that does not
-    parse. The last piece is decoded up to the object's end, wherever that is."""
-    out: dict[str, Any] = {}
-    pace = Pacer()
-    begin = at  # where the next piece's members start: the object's "{", then after a cut's comma
-    while True:
-        m = cut.search(text, begin + _JSON_PIECE)
-        if m is None or m.start() > len(text) - _JSON_PIECE // 2:
-            break
-        comma = m.start(1)
-        piece = text[begin:comma] + "}" if begin == at else "{" + text[begin:comma] + "}"
-        try:
-            part = json.loads(piece)
-        except ValueError:
-            return None
-        if type(part) is not dict or not part:
-            return None
-        out.update(part)
-        begin = comma + 1
-        gc_paused.collect_young()  # the piece's containers, while they are few
-        pace()  # let a thread waiting for the GIL (the event loop) have it: see ``paced``
-    try:
-        if begin == at:
-            part, end = _DECODE(text, at)
-        else:
-            part, end = _DECODE("{" + text[begin:])
-            end += begin - 1
-    except ValueError:
-        return None
-    if type(part) is not dict or (begin != at and not part):
-        return None
-    out.update(part)
-    return out, end
-
-
-def _may_hide_duplicates(raw: bytes, obj: Any) -> bool:
-    """True unless the plain parse provably saw every key: each entry has exactly one "dtype",
-    "shape" and "data_offsets", so with no escapes in the text, equal counts of those quoted
-    keys and of entries mean no key was given twice. Anything else takes the exact path."""
-    if not isinstance(obj, dict) or _count(raw, b"\\"):
-        return True
-    n = len(obj) - ("__metadata__" in obj)
-    return any(_count(raw, key) != n for key in (b'"dtype"', b'"shape"', b'"data_offsets"')) or (
-        "__metadata__" in obj and _count(raw, b'"__metadata__"') != 1
-    )
-
-
-#: ``bytes.count`` holds the GIL: over a 1.9 MB header, the four scans above held it 4-7 ms
-#: together (the event loop as late), so they go ~256 KiB at a time with pauses between.
-_SCAN_PIECE = 256 << 10
-
-
-def _count(raw: bytes, key: bytes) -> int:
-    """``raw.count(key)``, a piece at a time (a match across two pieces is counted once, in the
-    piece where it starts)."""
-    if len(raw) <= _SCAN_PIECE:
-        return raw.count(key)
-    pace, n, over = Pacer(), 0, len(key) - 1
-    for at in range(0, len(raw), _SCAN_PIECE):
-        n += raw.count(key, at, at + _SCAN_PIECE + over)
-        pace()
-    return n
 
 
 def _metadata(value: Any, url: str) -> dict[str, str]:

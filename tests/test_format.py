@@ -160,15 +160,15 @@ def test_a_large_header_decoded_in_pieces_is_exactly_the_whole_decode(
     """Cut anywhere, between entries or inside names and nested values, the pieces give the
     whole parse (same members, same order) or the text is parsed whole; invalid text fails
     as it would whole."""
-    from aload import format as fmt
+    from aload import _json as js
 
-    monkeypatch.setattr(fmt, "_JSON_PIECE", piece)
+    monkeypatch.setattr(js, "_JSON_PIECE", piece)
     texts = [json.dumps(obj, separators=(",", ":"), ensure_ascii=False) for obj in TRICKY.values()]
     texts += [json.dumps(obj) for obj in TRICKY.values()]  # spaces after commas: never cut
     bad = [t[:-1] for t in texts] + [t + "x" for t in texts] + [t.replace('},"', '}},"', 1) for t in texts]
     bad += ['{"a":{"x":1},"b":2}}', '{"a":{}},"b":{}}', '{,"a":{},"b":{}}', '{"a":{},"b":{},}', '{"a":{},,"b":{}}']
     for text in texts + bad:
-        want, got = _both_ways(fmt._loads_in_pieces, text)
+        want, got = _both_ways(js._loads_in_pieces, text)
         if isinstance(want, dict):
             assert list(got) == list(want), text
 
@@ -188,8 +188,8 @@ def _both_ways(loads: Callable[[str], Any], text: str) -> tuple[Any, Any]:
 
 
 def _loads_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The length of every text ``aload.format`` hands ``json.loads`` from now on."""
-    from aload import format as fmt
+    """The length of every text ``aload._json`` hands ``json.loads`` from now on."""
+    from aload import _json as js
 
     sizes: list[int] = []
     real = json.loads
@@ -198,7 +198,7 @@ def _loads_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         sizes.append(len(text))
         return real(text, **kw)
 
-    monkeypatch.setattr(fmt.json, "loads", loads)
+    monkeypatch.setattr(js.json, "loads", loads)
     return sizes
 
 
@@ -222,9 +222,9 @@ def test_an_index_decoded_in_pieces_is_exactly_the_whole_decode(
     """A weight_map decoded in pieces, cut anywhere, gives the whole parse (same members, same
     order, the last of a name given twice) or the text is parsed whole; invalid text fails as it
     would whole."""
-    from aload import format as fmt
+    from aload import _json as js
 
-    monkeypatch.setattr(fmt, "_JSON_PIECE", piece)
+    monkeypatch.setattr(js, "_JSON_PIECE", piece)
     texts = [json.dumps(obj, indent=indent, ensure_ascii=False) for obj in INDEXES.values()]
     sep = ", " if indent is None else ",\n  "
     texts += [t.replace('"weight_map"', '"weight_map"' + " " * 3, 1) for t in texts]  # space before ":"
@@ -233,13 +233,13 @@ def test_an_index_decoded_in_pieces_is_exactly_the_whole_decode(
     bad = [t[:-1] for t in texts] + [t + "x" for t in texts] + [t.replace(sep, sep + sep, 1) for t in texts]
     bad += [t.replace('"metadata"', '"metadata" "', 1) for t in texts]
     for text in texts + bad:
-        want, got = _both_ways(fmt.loads_index, text)
+        want, got = _both_ways(js.loads_index, text)
         if isinstance(want, dict):
             assert list(got) == list(want) and list(got["weight_map"]) == list(want["weight_map"]), text
     # ... and a plain index is not parsed whole: no json.loads sees more than about two pieces
     text, want = texts[0], json.loads(texts[0])
     sizes = _loads_sizes(monkeypatch)
-    assert fmt.loads_index(text) == want
+    assert js.loads_index(text) == want
     assert len(sizes) > 2 and max(sizes) < len(text) / 2 and max(sizes) <= 2 * piece + 200, (len(text), sizes)
 
 
@@ -249,17 +249,17 @@ async def test_a_large_header_is_decoded_a_piece_at_a_time(
     """No single ``json.loads`` of a 3,000-tensor header takes more than ~2 pieces of it (one
     call holds the GIL, and so the event loop, for its whole length); a key named twice in
     different pieces is still refused (its keys counted a piece at a time too)."""
-    from aload import format as fmt
+    from aload import _json as js
 
-    monkeypatch.setattr(fmt, "_SCAN_PIECE", 4096)
+    monkeypatch.setattr(js, "_SCAN_PIECE", 4096)
     tensors = {f"layers.{i}.weight": torch.full((2,), float(i)) for i in range(3000)}
     path = write(tensors)
     sizes = _loads_sizes(monkeypatch)
     got = await collect(aload.stream(path))
     assert len(got) == 3000 and got["layers.2999.weight"].tolist() == [2999.0, 2999.0]
     header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
-    assert header_len > 3 * fmt._JSON_PIECE  # the case under test: several pieces
-    assert len(sizes) > 2 and max(sizes) <= 2 * fmt._JSON_PIECE + 2
+    assert header_len > 3 * js._JSON_PIECE  # the case under test: several pieces
+    assert len(sizes) > 2 and max(sizes) <= 2 * js._JSON_PIECE + 2
 
     entries = {f"t{i}": entry(offsets=[8 * i, 8 * i + 8]) for i in range(3000)}
     text = json.dumps(entries, separators=(",", ":"))
@@ -270,13 +270,13 @@ async def test_a_large_header_is_decoded_a_piece_at_a_time(
 
 
 def test_keys_are_counted_a_piece_at_a_time_wherever_the_pieces_cut(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aload import format as fmt
+    from aload import _json as js
 
-    monkeypatch.setattr(fmt, "_SCAN_PIECE", 16)
+    monkeypatch.setattr(js, "_SCAN_PIECE", 16)
     for at in range(48):
         raw = b"x" * at + b'"dtype"' + b"y" * (60 - at) + b'"dtype":"shape"'
         for key in (b'"dtype"', b'"shape"', b"\\", b"y"):
-            assert fmt._count(raw, key) == raw.count(key), (at, key)
+            assert js._count(raw, key) == raw.count(key), (at, key)
 
 
 def test_paced_hands_over_the_gil_every_so_many_items(monkeypatch: pytest.MonkeyPatch) -> None:
