@@ -188,6 +188,20 @@ class SyncBridge(Iterator[Pair]):
             self.names.append(entry[0])
             return entry
 
+    def in_place_rest(self) -> list[str]:
+        """The names of the current unit's tensors not yet handed out, taken as delivered in one
+        go, when they were all read straight into their destinations (a ``scatter`` unit); else
+        none. For the built-in loader, which has nothing to do for such a tensor but record its
+        name: a ``__next__`` and a loop step each were ~3 us of a 20,000-tensor load's ~25."""
+        batch = self._batch  # read once: close() may clear it from the loop
+        if batch is None or not batch[0].scatter:
+            return []
+        self._batch = None
+        names = [item.name for item in batch[2] if not item.skip]
+        self.names.extend(names)
+        self._pace()  # the consumer's loop over them makes no call that lets go of the GIL
+        return names
+
     def _wait(self) -> Pair | _Batch:
         with self._cond:
             while True:

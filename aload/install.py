@@ -46,6 +46,7 @@ class _Walk:
     model: nn.Module
     targets: dict[str, torch.Tensor]
     state: dict[str, int]  # persistent name -> which tensor (names of one tied tensor share it)
+    quantized: bool  # some module has a quant method to post-process with
 
     def missing(self, installed: set[str]) -> list[str]:
         """The first name of each persistent tensor installed under none of its names."""
@@ -65,7 +66,11 @@ def _walk(model: nn.Module) -> _Walk:
     # has to track (20,000 small lists were part of what set off a full collection mid-load).
     targets: dict[str, torch.Tensor] = {}
     state: dict[str, int] = {}
+    classes: dict[type, bool] = {}
+    quantized = False
     for pre, module in paced(_named_modules(model)):  # on a thread
+        if not quantized:
+            quantized = hasattr(_quant_method(module, classes), "process_weights_after_loading")
         for key, p in module._parameters.items():
             if p is not None:
                 targets[pre + key] = p
@@ -75,7 +80,7 @@ def _walk(model: nn.Module) -> _Walk:
                 targets[pre + key] = b
                 if key not in module._non_persistent_buffers_set:
                     state[pre + key] = id(b)
-    return _Walk(model, targets, state)
+    return _Walk(model, targets, state, quantized)
 
 
 def _named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -135,6 +140,10 @@ class Loader:
         self.after_load = tuple(after_load)
         self.after_postprocess = tuple(after_postprocess)
         self._walked: _Walk | None = None  # from destinations() to the built-in loader of one load
+        # The model the built-in loader just loaded, when its walk found no quant method: loading
+        # copies bytes only, so post-processing has nothing to do (its walk over 20,000 modules
+        # was ~10% of a load). Cleared once used, and by hooks that run in between.
+        self._unquantized: nn.Module | None = None
 
     def _walked_for(self, model: nn.Module) -> _Walk:
         if self._walked is None or self._walked.model is not model:
@@ -180,6 +189,11 @@ class Loader:
         walked, self._walked = self._walked_for(model), None  # not kept past this load
         targets = walked.targets
         done = Installed()
+        # From aload's bridge, the rest of a run of tensors read straight into their parameters
+        # at once: each is one of ``targets`` (``destinations`` found it there), nothing to copy.
+        in_place_rest = getattr(weights, "in_place_rest", None)
+        if type(self).destinations is not Loader.destinations:
+            in_place_rest = None  # destinations of a subclass's own choosing: each is checked
         with torch.no_grad():
             for name, t in weights:
                 target = targets.get(name)
@@ -193,15 +207,21 @@ class Loader:
                         )
                     if t.data_ptr() != target.data_ptr() or t.dtype != target.dtype:  # else in place too
                         target.copy_(t, non_blocking=True)
+                elif in_place_rest is not None:
+                    done.names.update(in_place_rest())
                 done.names.add(name)
                 del t
         done.missing = walked.missing(done.names)
+        self._unquantized = None if walked.quantized else model
         if self.strict and (done.missing or done.unexpected):
             raise LoadError(_describe_mismatch(done.missing, done.unexpected))
         return done
 
     def postprocess_weights(self, model: nn.Module, device: torch.device) -> None:
         """For every module with a ``quant_method``: ``process_weights_after_loading(module)``."""
+        if self._unquantized is model:
+            self._unquantized = None
+            return  # the built-in loader's walk found none, and loading cannot have added one
         classes: dict[type, bool] = {}
         for module in paced(_modules(model)):
             method = _quant_method(module, classes)
@@ -219,6 +239,8 @@ class Loader:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         t1 = time.perf_counter()
+        if self.after_load:
+            self._unquantized = None  # a hook may give a module a quant method
         for hook in self.after_load:
             hook(model)
         self.postprocess_weights(model, device)
@@ -236,11 +258,10 @@ def _quant_method(module: nn.Module, classes: dict[type, bool]) -> Any:
     defined = classes.get(cls)
     if defined is None:
         defined = classes[cls] = hasattr(cls, "quant_method")
-    if defined:  # a class attribute or a property: the real lookup
+    # A class attribute or a property, an instance attribute, or a submodule of that name: the real
+    # lookup (a parameter or buffer of that name is a tensor, no method to post-process with).
+    if defined or "quant_method" in module.__dict__ or "quant_method" in module._modules:
         return getattr(module, "quant_method", None)
-    for where in (module.__dict__, module._parameters, module._buffers, module._modules):
-        if "quant_method" in where:
-            return where["quant_method"]
     return None
 
 

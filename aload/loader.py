@@ -130,7 +130,7 @@ async def load(
         _record_progress(exc, bridge, direct=dests is not None)
         raise
     finally:
-        loader._walked = None  # a Loader kept for later loads holds no reference to this model
+        loader._walked = loader._unquantized = None  # a Loader kept for later loads holds no reference to this model
     assert bridge is not None
     stats = ts.stats
     if strict and not bridge.exhausted:

@@ -449,6 +449,37 @@ def test_post_processing_finds_quant_method_however_it_is_defined() -> None:
     assert seen == ["instance", "class", "property", "submodule"]  # inst once, though it is there twice
 
 
+async def test_post_processing_after_the_built_in_loader_walks_only_where_needed(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The built-in loader's walk found no quant method: post-processing walks the model no more
+    (loading copies bytes, it gives no module a method). A hook that runs between the two phases
+    may give one: then post-processing walks and finds it."""
+    from aload import install
+
+    walks: list[nn.Module] = []
+    real = install._modules
+    monkeypatch.setattr(install, "_modules", lambda m: walks.append(m) or real(m))
+    path = write({"0.weight": torch.ones(2, 2), "1.weight": torch.full((2, 2), 2.0)})
+    model = nn.Sequential(nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False))
+    await aload.load(model, path)
+    assert walks == [] and model[1].weight.sum().item() == 8.0
+
+    seen: list[float] = []
+
+    class Method:
+        def process_weights_after_loading(self, module: nn.Module) -> None:
+            seen.append(module.weight.sum().item())
+
+    def hook(m: nn.Module) -> None:
+        m[1].quant_method = Method()
+
+    await aload.load(model, path, after_load=[hook])
+    assert walks == [model] and seen == [8.0]
+    await aload.load(model, path)  # the method is there from the start now
+    assert walks == [model, model] and seen == [8.0, 8.0]
+
+
 async def test_loads_running_at_once_in_one_loop_keep_to_their_own_models(tmp_path: Path) -> None:
     """A frontend may load several models at once (a draft model beside the target, adapters):
     each gets its own checkpoint's bytes, and one that fails or is cancelled leaves the others
