@@ -70,7 +70,7 @@ def _walk(model: nn.Module) -> _Walk:
     quantized = False
     for pre, module in paced(_named_modules(model)):  # on a thread
         if not quantized:
-            quantized = hasattr(_quant_method(module, classes), "process_weights_after_loading")
+            quantized = _quant_method(module, classes) is not None
         for key, p in module._parameters.items():
             if p is not None:
                 targets[pre + key] = p
@@ -225,7 +225,7 @@ class Loader:
         classes: dict[type, bool] = {}
         for module in paced(_modules(model)):
             method = _quant_method(module, classes)
-            if method is not None and hasattr(method, "process_weights_after_loading"):
+            if method is not None:
                 with device_loading_context(module, device):
                     method.process_weights_after_loading(module)
 
@@ -251,9 +251,10 @@ class Loader:
 
 
 def _quant_method(module: nn.Module, classes: dict[type, bool]) -> Any:
-    """``getattr(module, "quant_method", None)`` without the miss going through
-    ``Module.__getattr__``, which builds an AttributeError message for every module that has
-    none (60 ms over 20,000 modules). ``classes`` caches which classes define one."""
+    """The module's ``quant_method`` when it has ``process_weights_after_loading``, else None;
+    without a miss going through ``Module.__getattr__``, which builds an AttributeError message
+    for every module that has none (60 ms over 20,000 modules). ``classes`` caches which classes
+    define one."""
     cls = type(module)
     defined = classes.get(cls)
     if defined is None:
@@ -261,7 +262,9 @@ def _quant_method(module: nn.Module, classes: dict[type, bool]) -> Any:
     # A class attribute or a property, an instance attribute, or a submodule of that name: the real
     # lookup (a parameter or buffer of that name is a tensor, no method to post-process with).
     if defined or "quant_method" in module.__dict__ or "quant_method" in module._modules:
-        return getattr(module, "quant_method", None)
+        method = getattr(module, "quant_method", None)
+        if hasattr(method, "process_weights_after_loading"):
+            return method
     return None
 
 
