@@ -92,6 +92,7 @@ BAD: dict[str, tuple[Any, bytes, dict[str, Any]]] = {
     "overflowing shape": ({"a": entry(shape=[2**40, 2**40])}, b"\0" * 8, {}),
     "overlap": ({"a": entry(offsets=[0, 8]), "b": entry(offsets=[4, 12])}, b"\0" * 12, {}),
     "gap": ({"a": entry(offsets=[0, 8]), "b": entry(offsets=[12, 20])}, b"\0" * 20, {}),
+    "overlap out of order": ({"b": entry(offsets=[4, 12]), "a": entry(offsets=[0, 8])}, b"\0" * 12, {}),
     "not from zero": ({"a": entry(offsets=[4, 12])}, b"\0" * 12, {}),
     "file longer than header says": ({"a": entry()}, b"\0" * 9, {}),
     "file shorter than header says": ({"a": entry()}, b"\0" * 7, {}),
@@ -136,6 +137,19 @@ async def test_zero_size_tensors_and_a_header_out_of_offset_order(tmp_path: Path
         assert list(ckpt.specs) == ["a", "z", "b", "z2"]
     got = await collect(aload.stream(path))
     assert got["b"].view(torch.uint8).tolist() == list(range(8, 16)) and got["z"].shape == (0, 3)
+
+
+@pytest.mark.parametrize(
+    "listed",
+    [["a", "z", "b"], ["a", "b", "z"], ["z", "a", "b"]],
+)
+async def test_a_zero_size_tensor_sorts_before_the_tensor_at_its_offset(tmp_path: Path, listed: list[str]) -> None:
+    """In offset order as listed (the tensors tile the file: kept as they are) or not (sorted),
+    the specs come out the same."""
+    entries = {"a": entry(offsets=[0, 8]), "z": entry(shape=[0], offsets=[8, 8]), "b": entry(offsets=[8, 16])}
+    path = raw_file(tmp_path / "z.safetensors", {k: entries[k] for k in listed}, bytes(16))
+    async with await aload.open(path) as ckpt:
+        assert list(ckpt.specs) == ["a", "z", "b"]
 
 
 async def test_huge_claimed_header_is_not_allocated(tmp_path: Path) -> None:
