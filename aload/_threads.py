@@ -47,6 +47,47 @@ def paced(items: Iterable[T], check_every: int = CHECK_EVERY) -> Iterator[T]:
             pace()
 
 
+#: List entries let go of in one turn of the event loop (see ``free_in_pieces``): ~0.4 ms of
+#: tensor specs.
+FREE_PIECE = 1024
+
+
+def free_in_pieces(lists: Iterable[list[Any]], piece: int = FREE_PIECE) -> None:
+    """Empty each of ``lists`` in turn, ``piece`` entries per turn of the running event loop, from
+    the next turn on. Where the lists hold the last references to what is in them, that is freed
+    a piece at a time: a load's checkpoint and plan, freed in one go when ``load`` returned, held
+    the loop 12 ms on 20,000 tensors and ~48 ms on DeepSeek-V3's 89,820. Should the loop close
+    first, the rest goes with it."""
+    loop = asyncio.get_running_loop()
+    loop.call_soon(_Emptying(loop, iter(lists), piece))
+
+
+class _Emptying:
+    """One piece of ``free_in_pieces`` per call, then the next one scheduled (an object, not a
+    closure, which would refer to itself: a cycle keeping what it holds for the collector)."""
+
+    __slots__ = ("current", "loop", "piece", "todo")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, todo: Iterator[list[Any]], piece: int) -> None:
+        self.loop, self.todo, self.piece = loop, todo, piece
+        self.current: list[Any] = []
+
+    def __call__(self) -> None:
+        left = self.piece
+        while left > 0:
+            current = self.current
+            if not current:
+                nxt = next(self.todo, None)
+                if nxt is None:
+                    return
+                self.current = nxt
+                continue
+            n = min(left, len(current))
+            del current[len(current) - n :]
+            left -= n
+        self.loop.call_soon(self)
+
+
 def start_thread(
     fn: Callable[..., T], *args: Any, name: str = "aload-worker"
 ) -> tuple[asyncio.Future[T], threading.Thread]:

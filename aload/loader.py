@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._threads import run_in_thread, start_thread
+from ._threads import free_in_pieces, run_in_thread, start_thread
 from .bridge import LoadCancelled, SyncBridge
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint
 from .errors import AloadError, LoadError, UsageError, add_note
@@ -137,6 +137,8 @@ async def load(
         raise LoadError(
             f"the loader returned after {len(bridge.names)} of {stats.tensors} tensors delivered and left the rest unread"
         )
+    # What the load made per tensor, freed a piece at a time once this returns, not in one go.
+    free_in_pieces([bridge.names, *ts.leftovers()])
     seconds = time.perf_counter() - t0
     return LoadReport(
         tensors=stats.tensors,

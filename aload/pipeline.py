@@ -160,6 +160,20 @@ class TensorStream:
             if self._owns and self.checkpoint is not None:
                 await self.checkpoint.aclose()
 
+    def leftovers(self) -> list[list[Any]]:
+        """Once closed, lists holding what this stream's plan and, where it opened it, checkpoint
+        hold (one entry per tensor), in the order they can be emptied so that each frees what its
+        entries held: for ``free_in_pieces``, before this stream is dropped."""
+        assert self._closed
+        plan = self.reader.plan if self.reader is not None else None
+        out: list[list[Any]] = []
+        if plan is not None:
+            out.extend(unit.items for unit in plan.units)
+            out.append(plan.units)
+        if self._owns and self.checkpoint is not None:
+            out.append(list(self.checkpoint.specs.values()))
+        return out
+
     async def __aenter__(self) -> TensorStream:
         try:
             await self.start()

@@ -603,3 +603,52 @@ def test_a_load_leaves_nothing_for_the_cycle_collector(tmp_path: Path, how: str)
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+async def test_what_a_load_leaves_is_freed_a_piece_per_turn_of_the_loop() -> None:
+    """``free_in_pieces`` empties its lists in order, a piece per turn, with the loop's other
+    callbacks run in between; the first piece goes in the next turn, not in the caller's."""
+    from aload._threads import free_in_pieces
+
+    a, b = list(range(5)), list(range(4))
+    seen: list[tuple[int, int]] = []
+    free_in_pieces([a, b], piece=3)
+    assert (len(a), len(b)) == (5, 4)
+    for _ in range(5):
+        await asyncio.sleep(0)  # one turn of the loop each
+        seen.append((len(a), len(b)))
+    assert seen == [(2, 4), (0, 3), (0, 0), (0, 0), (0, 0)]
+
+
+async def test_a_load_frees_its_plan_after_it_returns_and_leaves_the_callers_checkpoint_whole(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan a load made (an item per tensor) is freed in the loop's next turns, not as ``load``
+    returns; a checkpoint the caller opened keeps its specs and loads again."""
+    import weakref
+
+    from aload import pipeline
+
+    units: list[weakref.ref[Any]] = []
+
+    def make_plan(*args: Any, **kwargs: Any) -> Any:
+        plan = real(*args, **kwargs)
+        units.extend(weakref.ref(u) for u in plan.units)
+        return plan
+
+    real = pipeline.make_plan
+    monkeypatch.setattr(pipeline, "make_plan", make_plan)
+    folder = write({f"t{i}": torch.full((4,), float(i)) for i in range(50)})
+    model = nn.Module()
+    for i in range(50):
+        model.register_buffer(f"t{i}", torch.zeros(4))
+    async with await aload.open(folder) as ckpt:
+        for _ in range(2):
+            await aload.load(model, ckpt)
+            assert any(u() is not None for u in units)  # not freed on the way out of load
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert units and all(u() is None for u in units)
+            assert len(ckpt.specs) == 50
+            units.clear()
+        assert model.t49.tolist() == [49.0] * 4
