@@ -8,10 +8,11 @@ files its ``weight_map`` names); a folder of ``*.safetensors`` without an index.
 from __future__ import annotations
 
 import asyncio
+import functools
 import operator
 import os
 import posixpath
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, NoReturn, TypeVar
@@ -111,20 +112,84 @@ def open(url: str, *, concurrency: int = DEFAULT_CONCURRENCY, **options: Any) ->
     return _Opening(_open(str(url), concurrency=concurrency, **options))
 
 
-async def _open(url: str, *, concurrency: int, **options: Any) -> Checkpoint:
+async def _open(url: str, *, concurrency: int, ahead: ReadAhead | None = None, **options: Any) -> Checkpoint:
+    """``ahead``: told of each shard as soon as its header is parsed."""
     await import_store(url)
     store = open_store(url, concurrency=concurrency, **options)
     try:
         await store.prepare()
-        return await _read_layout(store)
+        return await _read_layout(store, ahead)
     except BaseException:
+        if ahead is not None:
+            await ahead.aclose()  # before the store's threads go
         await store.aclose()
         raise
 
 
-async def _read_layout(store: Store) -> Checkpoint:
+class ReadAhead:
+    """Asks for the bytes of small tensors while the rest is still being opened and planned: each
+    shard's runs of them (``small_runs``) are asked of its source (``Source.read_ahead``) as soon
+    as its header is parsed, up to ``allowance`` bytes of shards in all. Only for a load that
+    reads every tensor (no stage drops names: dropped bytes are never read); large tensors are
+    left alone (a cold load reads them past the page cache). Cold, 64 shards of 32 KiB tensors:
+    the disk sat idle while 64 headers were parsed and 19,200 tensors planned, a third of the load."""
+
+    def __init__(self, allowance: int, below: int) -> None:
+        self._left = allowance
+        self._below = below
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def shard(self, src: Source, shard: Shard) -> None:
+        if self._left <= 0 or not shard.specs:
+            return
+        limit = min(shard.size, self._left)  # the whole shard counted: its runs are not known yet
+        self._left -= limit
+        task = asyncio.ensure_future(src.read_ahead(functools.partial(small_runs, shard.specs, self._below, limit)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def aclose(self) -> None:
+        """Stop asking: what is still to be asked for is not (a hint, nothing waits for it)."""
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks)
+
+
+#: The least run of small tensors worth asking for ahead: runs of a norm or two between a
+#: Llama's large matrices are not.
+_LEAST_RUN_BYTES = 64 << 10
+
+
+def small_runs(specs: Sequence[TensorSpec], below: int, limit: int) -> list[tuple[int, int]]:
+    """The byte ranges ``(start, end)`` of the runs of adjacent tensors each under ``below`` bytes,
+    of ``_LEAST_RUN_BYTES`` or more, in file order, up to ``limit`` bytes in all (``specs`` in
+    offset order). A step per tensor, on a thread (20,000 tensors: ~6 ms)."""
+    runs: list[tuple[int, int]] = []
+    first = last = -1
+
+    def close() -> None:
+        nonlocal limit
+        if last - first >= _LEAST_RUN_BYTES and limit > 0:
+            runs.append((first, min(last, first + limit)))
+            limit -= last - first
+
+    for spec in paced(specs):
+        if spec.end - spec.start < below:
+            if first < 0:
+                first = spec.start
+            last = spec.end
+        elif first >= 0:
+            close()
+            first = -1
+    if first >= 0:
+        close()
+    return runs
+
+
+async def _read_layout(store: Store, ahead: ReadAhead | None = None) -> Checkpoint:
     if await store.kind() == "file":
-        shards = [await _read_shard(store, "")]
+        shards = [await _read_shard(store, "", ahead)]
         return await _assemble_off_loop(store, shards, shards[0].metadata, None)
     raw = await store.get(INDEX_NAME, MAX_INDEX_BYTES)
     if raw is not None:
@@ -137,7 +202,7 @@ async def _read_layout(store: Store) -> Checkpoint:
         names = await store.list(".safetensors")
         if not names:
             raise CheckpointError("no .safetensors files and no index", url=store.url)
-    shards = await _read_shards(store, names)
+    shards = await _read_shards(store, names, ahead)
     if weight_map is None and len(shards) == 1:
         metadata = dict(shards[0].metadata)
     return await _assemble_off_loop(store, shards, metadata, weight_map)
@@ -161,7 +226,7 @@ async def run_off_loop(store: Store, large: bool, fn: Callable[..., T], *args: A
     return await store.run(fn, *args) if large else fn(*args)
 
 
-async def _read_shards(store: Store, names: list[str]) -> list[Shard]:
+async def _read_shards(store: Store, names: list[str], ahead: ReadAhead | None = None) -> list[Shard]:
     """Every shard's header: all read first (16 at a time), then each parsed in turn, the loop
     free between two. Parsing each as its read came back, on the loop while the read threads
     came and went for the GIL, left the loop 5-14 ms late again and again: 89,820 tensors in
@@ -179,6 +244,8 @@ async def _read_shards(store: Store, names: list[str]) -> list[Shard]:
     shards = []
     for name, (src, size, raw) in zip(names, heads, strict=True):
         shards.append(await _parse_shard(store, name, src, size, raw))
+        if ahead is not None:
+            ahead.shard(src, shards[-1])
         await asyncio.sleep(0)
     return shards
 
@@ -201,9 +268,12 @@ async def _parse_shard(store: Store, name: str, src: Source, size: int, raw: byt
     return Shard(name, src.url, size, header.metadata, header.specs, n.to_bytes(8, "little") + raw)
 
 
-async def _read_shard(store: Store, name: str) -> Shard:
+async def _read_shard(store: Store, name: str, ahead: ReadAhead | None = None) -> Shard:
     src, size, raw = await _read_head(store, name)
-    return await _parse_shard(store, name, src, size, raw)
+    shard = await _parse_shard(store, name, src, size, raw)
+    if ahead is not None:
+        ahead.shard(src, shard)
+    return shard
 
 
 def _parse_index(raw: bytes, url: str) -> tuple[dict[str, str], dict[str, Any]]:

@@ -8,8 +8,9 @@ read modes below say; which is which is decided per unit from the page cache's w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
 
@@ -194,6 +195,22 @@ class LocalSource(Source):
         await self._decided()
         if self._share_at(offset, length) < 1.0:
             await self._pool.run(self._prefetch, offset, length)
+
+    async def read_ahead(self, ranges: Callable[[], Iterable[tuple[int, int]]]) -> None:
+        """The ranges asked for (``WILLNEED``) where the file is not all in the page cache and is
+        mapped (small tensors come through the page cache, cold or not); a file that fails here
+        fails at its read."""
+        if not self.can_map:
+            return
+        with contextlib.suppress(SourceError):
+            await self._decided()
+            if not self._warm:
+                await self._pool.run(self._read_ahead, ranges)
+
+    def _read_ahead(self, ranges: Callable[[], Iterable[tuple[int, int]]]) -> None:
+        for start, end in ranges():
+            if self._share_at(start, end - start) < 1.0:
+                self._prefetch(start, end - start)
 
     def _prefetch(self, offset: int, length: int) -> None:
         self._check_length(offset, length)

@@ -9,13 +9,14 @@ from types import TracebackType
 from typing import Any
 
 from .arena import UnitView
-from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint, _open, run_off_loop
+from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint, ReadAhead, _open, run_off_loop
 from .errors import UsageError
 from .integrity import Manifest, ShardHash, digests_for
 from .plan import DestFn, Unit, make_plan
 from .reader import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_INFLIGHT_BYTES,
+    SMALL_MEAN_BYTES,
     Progress,
     Reader,
     ReaderStats,
@@ -72,6 +73,8 @@ class TensorStream:
         self.checkpoint: Checkpoint | None = source if isinstance(source, Checkpoint) else None
         self._owns = self.checkpoint is None
         self.reader: Reader | None = None
+        # Every tensor is read unless a stage drops names: only then is the data asked for early.
+        self._ahead = ReadAhead(max_inflight_bytes, SMALL_MEAN_BYTES) if self._names is None else None
         self._chain: list[AsyncIterator[Any]] = []
         self._closed = False
 
@@ -83,7 +86,15 @@ class TensorStream:
         if self.reader is not None:
             return
         if self.checkpoint is None:
-            self.checkpoint = await _open(os.fspath(self._source), concurrency=self._concurrency, **self._options)  # type: ignore[arg-type]
+            self.checkpoint = await _open(
+                os.fspath(self._source),  # type: ignore[arg-type]
+                concurrency=self._concurrency,
+                ahead=self._ahead,
+                **self._options,
+            )
+        elif self._ahead is not None:
+            for shard in self.checkpoint.shards:
+                self._ahead.shard(self.checkpoint.store.source(shard.name), shard)
         # Coalesced units stay well under the budget, so several are in flight at once.
         group = min(self._chunk_bytes, max(1, self._budget // 4))
         hashes = None
@@ -157,6 +168,8 @@ class TensorStream:
             if self.reader is not None:
                 await self.reader.aclose()
         finally:
+            if self._ahead is not None:
+                await self._ahead.aclose()
             if self._owns and self.checkpoint is not None:
                 await self.checkpoint.aclose()
 

@@ -16,7 +16,7 @@ import importlib
 import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -108,6 +108,12 @@ class Source(ABC):
     #: page cache): each unit costs a round trip through the event loop and the consumer's thread
     #: that no read hides. Looked at once ``ready()`` is done.
     mapped_run_bytes: int = 0
+
+    async def read_ahead(self, ranges: Callable[[], Iterable[tuple[int, int]]]) -> None:
+        """A hint (``checkpoint.ReadAhead``): the byte ranges ``(start, end)`` that ``ranges()``
+        gives will be read soon. It never raises for them (the reads that follow do), and calls
+        ``ranges`` (a step per tensor) on a thread, only where it acts on them. Nothing here."""
+        return None
 
     async def prefetch(self, offset: int, length: int) -> None:
         """Have the bytes read into memory for a ``scatter_into`` soon, or raise ``SourceError``."""
