@@ -8,6 +8,7 @@ files its ``weight_map`` names); a folder of ``*.safetensors`` without an index.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import operator
 import os
@@ -137,23 +138,31 @@ class ReadAhead:
     def __init__(self, allowance: int, below: int) -> None:
         self._left = allowance
         self._below = below
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._todo: collections.deque[tuple[Source, Callable[[], list[tuple[int, int]]]]] = collections.deque()
+        self._task: asyncio.Task[None] | None = None
 
     def shard(self, src: Source, shard: Shard) -> None:
         if self._left <= 0 or not shard.specs:
             return
         limit = min(shard.size, self._left)  # the whole shard counted: its runs are not known yet
         self._left -= limit
-        task = asyncio.ensure_future(src.read_ahead(functools.partial(small_runs, shard.specs, self._below, limit)))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._todo.append((src, functools.partial(small_runs, shard.specs, self._below, limit)))
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._ask())
+
+    async def _ask(self) -> None:
+        # One shard at a time, in order, so that the disk brings them in in the order they are
+        # read: all at once (16 threads) doubled the time to the first tensor, 64 shards cold.
+        while self._todo:
+            src, ranges = self._todo.popleft()
+            await src.read_ahead(ranges)
 
     async def aclose(self) -> None:
         """Stop asking: what is still to be asked for is not (a hint, nothing waits for it)."""
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks)
+        self._todo.clear()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])
 
 
 #: The least run of small tensors worth asking for ahead: runs of a norm or two between a
