@@ -886,3 +886,64 @@ async def test_a_file_on_disk_is_read_straight_into_the_buffer(
     assert len(frames) >= 4  # 4 MB in chunks of 1 MiB
     for k, v in tensors.items():
         assert torch.equal(got[k], v), k
+
+
+def test_small_runs_are_the_runs_of_small_tensors_and_nothing_large() -> None:
+    """Adjacent small tensors make a run; a large one ends it and is never part of one; runs under
+    the least worth asking for are left out; ``limit`` caps the bytes in all."""
+    from aload.checkpoint import _LEAST_RUN_BYTES, small_runs
+    from aload.format import TensorSpec
+
+    sizes = [4096] * 40 + [1 << 20] + [4096] * 4 + [1 << 20] + [4096] * 30  # 160 KiB, 16 KiB, 120 KiB
+    specs, at = [], 100
+    for i, n in enumerate(sizes):
+        specs.append(TensorSpec(f"t{i}", "U8", (n,), "f", at, at + n))
+        at += n
+    runs = small_runs(specs, 64 << 10, 1 << 40)
+    big0, big1 = specs[40], specs[45]
+    assert runs == [(100, big0.start), (big1.end, at)]
+    assert all(b - a >= _LEAST_RUN_BYTES for a, b in runs)
+    assert small_runs(specs, 64 << 10, 100 << 10) == [(100, 100 + (100 << 10))]
+    assert small_runs(specs, 1 << 30, 1 << 40) == [(100, at)]  # nothing large: one run
+    assert small_runs([], 64 << 10, 1 << 40) == []
+
+
+@pytest.mark.parametrize("how", ["all", "keep", "warm"])
+async def test_a_cold_load_asks_for_its_small_tensors_before_reading_and_never_the_large(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Opening and planning a cold file, the runs of small tensors are asked for (WILLNEED) as
+    each header is parsed, and the large tensors not. Not when a stage drops names (their bytes
+    are never read), nor for a file all in the page cache."""
+    from aload.pipeline import TensorStream
+
+    tensors = {f"a.{i}": torch.full((1024,), float(i)) for i in range(100)}  # 4 KiB each
+    tensors["b"] = torch.zeros(1 << 20)  # 4 MiB, between the two runs (safetensors lays them out by name)
+    tensors.update({f"c.{i}": torch.full((1024,), float(i)) for i in range(100)})
+    path = write(tensors)
+    if how != "warm":
+        cold(path)
+    asked: list[tuple[int, int]] = []
+    real = local.LocalSource._prefetch
+
+    def spy(self: local.LocalSource, offset: int, length: int) -> None:
+        asked.append((offset, offset + length))
+        real(self, offset, length)
+
+    monkeypatch.setattr(local.LocalSource, "_prefetch", spy)
+    stages = [aload.stages.keep("a.*")] if how == "keep" else []
+    async with TensorStream(path, stages=stages) as s:
+        ahead = s._ahead
+        if ahead is not None and ahead._task is not None:
+            await asyncio.wait_for(asyncio.shield(ahead._task), 30)
+        specs = s.checkpoint.specs if s.checkpoint is not None else {}
+        if how == "all":
+            big = specs["b"]
+            a = [v for k, v in specs.items() if k.startswith("a.")]
+            c = [v for k, v in specs.items() if k.startswith("c.")]
+            assert max(s.end for s in a) == big.start and big.end == min(s.start for s in c)
+            assert asked == [(min(s.start for s in a), big.start), (big.end, max(s.end for s in c))]
+        else:
+            assert asked == []
+        got = {name: t.clone() async for name, t in s}
+    assert all(torch.equal(got[k], tensors[k]) for k in got) and len(got) == (100 if how == "keep" else 201)
