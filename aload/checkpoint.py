@@ -142,8 +142,8 @@ class ReadAhead:
         self._task: asyncio.Task[None] | None = None
 
     def shard(self, src: Source, shard: Shard) -> None:
-        if self._left <= 0 or not shard.specs:
-            return
+        if self._left <= 0 or shard.size - len(shard.head) < _LEAST_RUN_BYTES:
+            return  # nothing left to ask for, or a shard too small to hold a run worth it
         limit = min(shard.size, self._left)  # the whole shard counted: its runs are not known yet
         self._left -= limit
         self._todo.append((src, functools.partial(small_runs, shard.specs, self._below, limit)))
@@ -166,8 +166,9 @@ class ReadAhead:
 
 
 #: The least run of small tensors worth asking for ahead: runs of a norm or two between a
-#: Llama's large matrices are not.
-_LEAST_RUN_BYTES = 64 << 10
+#: Llama's large matrices are not, nor DeepSeek-V3's shards of ~140 KB of tiny tensors (working
+#: out, early, whether each of 163 shards was cached made the event loop later on them).
+_LEAST_RUN_BYTES = 1 << 20
 
 
 def small_runs(specs: Sequence[TensorSpec], below: int, limit: int) -> list[tuple[int, int]]:

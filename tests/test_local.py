@@ -894,16 +894,17 @@ def test_small_runs_are_the_runs_of_small_tensors_and_nothing_large() -> None:
     from aload.checkpoint import _LEAST_RUN_BYTES, small_runs
     from aload.format import TensorSpec
 
-    sizes = [4096] * 40 + [1 << 20] + [4096] * 4 + [1 << 20] + [4096] * 30  # 160 KiB, 16 KiB, 120 KiB
+    least = _LEAST_RUN_BYTES // 4096
+    sizes = [4096] * (least + 8) + [1 << 20] + [4096] * 4 + [1 << 20] + [4096] * least  # over, under, at
     specs, at = [], 100
     for i, n in enumerate(sizes):
         specs.append(TensorSpec(f"t{i}", "U8", (n,), "f", at, at + n))
         at += n
     runs = small_runs(specs, 64 << 10, 1 << 40)
-    big0, big1 = specs[40], specs[45]
+    big0, big1 = specs[least + 8], specs[least + 13]
     assert runs == [(100, big0.start), (big1.end, at)]
     assert all(b - a >= _LEAST_RUN_BYTES for a, b in runs)
-    assert small_runs(specs, 64 << 10, 100 << 10) == [(100, 100 + (100 << 10))]
+    assert small_runs(specs, 64 << 10, 100 << 10) == [(100, 100 + (100 << 10))]  # the limit
     assert small_runs(specs, 1 << 30, 1 << 40) == [(100, at)]  # nothing large: one run
     assert small_runs([], 64 << 10, 1 << 40) == []
 
@@ -917,9 +918,9 @@ async def test_a_cold_load_asks_for_its_small_tensors_before_reading_and_never_t
     are never read), nor for a file all in the page cache."""
     from aload.pipeline import TensorStream
 
-    tensors = {f"a.{i}": torch.full((1024,), float(i)) for i in range(100)}  # 4 KiB each
+    tensors = {f"a.{i}": torch.full((1024,), float(i)) for i in range(300)}  # 4 KiB each, 1.2 MiB
     tensors["b"] = torch.zeros(1 << 20)  # 4 MiB, between the two runs (safetensors lays them out by name)
-    tensors.update({f"c.{i}": torch.full((1024,), float(i)) for i in range(100)})
+    tensors.update({f"c.{i}": torch.full((1024,), float(i)) for i in range(300)})
     path = write(tensors)
     if how != "warm":
         cold(path)
@@ -946,4 +947,4 @@ async def test_a_cold_load_asks_for_its_small_tensors_before_reading_and_never_t
         else:
             assert asked == []
         got = {name: t.clone() async for name, t in s}
-    assert all(torch.equal(got[k], tensors[k]) for k in got) and len(got) == (100 if how == "keep" else 201)
+    assert all(torch.equal(got[k], tensors[k]) for k in got) and len(got) == (300 if how == "keep" else 601)
