@@ -652,3 +652,16 @@ async def test_a_load_frees_its_plan_after_it_returns_and_leaves_the_callers_che
             assert len(ckpt.specs) == 50
             units.clear()
         assert model.t49.tolist() == [49.0] * 4
+
+
+async def test_a_sharded_load_starts_no_thread_of_the_event_loops_own(
+    llama_checkpoint: tuple[Any, Any, Path],
+) -> None:
+    """The index is read on the store's threads, which end with the load: the loop's default
+    executor (whose threads live as long as the loop) is never started."""
+    model, cfg, folder = llama_checkpoint
+    target = type(model)(cfg)
+    before = {t.name for t in threading.enumerate()}
+    await aload.load(target, folder)
+    started = {t.name for t in threading.enumerate()} - before
+    assert not [name for name in started if name.startswith("asyncio_")], started
