@@ -403,8 +403,17 @@ class Reader:
             t.cancel()
         if pending:
             await asyncio.wait(pending)
+        ended = list(pending)
         while not self._queue.empty():  # drop queued leases so their memory returns
-            self._queue.get_nowait()
+            entry = self._queue.get_nowait()
+            if entry is not None:
+                ended.append(entry[2])
+        # A read that failed after the load had stopped for another error (a file cut short fails
+        # every read past its end) is nobody's error now: taken here, not logged when collected
+        # as "Task exception was never retrieved".
+        for t in ended:
+            if t.done() and not t.cancelled():
+                t.exception()
         self._arena.drop()  # tensors still held keep their part alive; the rest returns now
         await self._helper.aclose()
         if self._digests is not None:
