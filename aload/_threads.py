@@ -11,15 +11,21 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-#: The longest stretch of aload's own Python on a thread before it hands the GIL over (see ``paced``).
+#: The longest stretch of aload's own work on the event loop before it lets the loop run (the reader).
 PAUSE_AFTER_S = 0.001
+#: The longest stretch of aload's own Python on a thread before it hands the GIL over (see ``paced``).
+#: Half of ``PAUSE_AFTER_S``: against 1 ms, suite children alternating, 4-5 each, loop lateness p99
+#: 3.8-5.6 -> 3.2-4.7 ms (20,000 tensors, built-in, warm), 5.2-6.8 -> 4.8-6.3 (the same, 10% of
+#: the file evicted), 4.8-6.6 -> 4.0-6.1 (DeepSeek-V3's layout), p50 about halved; each load the
+#: same within the noise to ~6% slower (282 -> 300 ms, 20,000 tensors warm).
+PACE_S = 0.0005
 #: Items between two looks at the clock.
 CHECK_EVERY = 64
 
 
 class Pacer:
-    """Call it now and then from a loop on a thread: at most every ``PAUSE_AFTER_S`` of work it
-    lets go of the GIL (see ``paced``)."""
+    """Call it now and then from a loop on a thread: at most every ``PACE_S`` of work it lets go
+    of the GIL (see ``paced``)."""
 
     __slots__ = ("_last",)
 
@@ -27,19 +33,21 @@ class Pacer:
         self._last = time.perf_counter()
 
     def __call__(self) -> None:
-        if time.perf_counter() - self._last >= PAUSE_AFTER_S:
+        if time.perf_counter() - self._last >= PACE_S:
             time.sleep(0)
             self._last = time.perf_counter()
 
 
 def paced(items: Iterable[T], check_every: int = CHECK_EVERY) -> Iterator[T]:
-    """``items``, letting go of the GIL every ~1 ms of the caller's work. A thread that runs
+    """``items``, letting go of the GIL every ~0.5 ms of the caller's work. A thread that runs
     Python without a call that releases the GIL keeps it for the interpreter's whole switch
     interval (5 ms) each time another thread asks: the event loop fell 5 ms late on every tick
     while a 20,000-tensor checkpoint was planned on a thread. ``time.sleep(0)`` hands it over to
     a thread that waits (p99 lateness 10.5 -> 0.4 ms against a busy thread); it costs ~80 us
-    (the kernel's timer slack), hence a pause per ~1 ms and not per so many items: per 256 items
-    it cost ~2 us per tensor on 20,000 tensors, per ~2 ms the loop was late 5-6 ms again."""
+    (the kernel's timer slack), hence a pause per so much time and not per so many items: per
+    256 items it cost ~2 us per tensor on 20,000 tensors, per ~2 ms the loop was late 5-6 ms
+    again (see ``PACE_S``). A cheaper hand-over, ``os.sched_yield()`` (~1 us), does not hand it
+    over at all: the waiting thread is not awake yet when this one takes the GIL back."""
     pace = Pacer()
     for i, item in enumerate(items, 1):
         yield item
