@@ -298,7 +298,7 @@ def test_paced_hands_over_the_gil_every_so_many_items(monkeypatch: pytest.Monkey
 
     slept: list[float] = []
     monkeypatch.setattr(_threads.time, "sleep", slept.append)
-    monkeypatch.setattr(_threads, "PAUSE_AFTER_S", 0.0)
+    monkeypatch.setattr(_threads, "PACE_S", 0.0)
     assert list(_threads.paced(range(1000), check_every=256)) == list(range(1000))
     assert slept == [0, 0, 0]
 
