@@ -126,7 +126,7 @@ def parse_header(raw: bytes, file_size: int, url: str) -> Header:
     # two stable sorts on C keys that make no tuples (a lambda, or a key tuple per tensor, which
     # set off collections, held the GIL 8-65 ms on 20,000 tensors, the event loop with it). Even
     # those two held it 2.5-6 ms together, which the event loop waited for every load.
-    if not _tiled(specs, file_size, data_start):
+    if _untiled_at(specs, file_size, data_start) is not None:
         specs.sort(key=_END)
         specs.sort(key=_START)
         _check_tiling(specs, file_size, data_start, url)
@@ -206,27 +206,30 @@ def _spec(name: str, entry: Any, url: str, data_start: int) -> TensorSpec:
     return spec
 
 
-def _tiled(specs: list[TensorSpec], file_size: int, data_start: int) -> bool:
-    """Whether the tensors, in this order, start at 0, touch end to end and end at the file's end."""
+def _untiled_at(specs: list[TensorSpec], file_size: int, data_start: int) -> tuple[int, int] | None:
+    """None where the tensors, in this order, start at 0, touch end to end and end at the file's
+    end; else where that fails: the index of the first out of place (``len(specs)`` when they end
+    elsewhere than the file's end) and the byte where it should have started."""
     cursor = data_start
-    for spec in specs:
+    for i, spec in enumerate(specs):
         if spec.start != cursor:
-            return False
+            return i, cursor
         cursor = spec.end
-    return cursor == file_size
+    return None if cursor == file_size else (len(specs), cursor)
 
 
 def _check_tiling(specs: list[TensorSpec], file_size: int, data_start: int, url: str) -> None:
     """Sorted by offset, the tensors must start at 0, touch end to end, and end at the file's end."""
-    cursor = data_start
-    for spec in specs:
-        if spec.start != cursor:
-            why = "overlaps the tensor before it" if spec.start < cursor else "leaves a gap before it"
-            raise HeaderError(why, url=url, tensor=spec.name, byte_range=spec.byte_range)
-        cursor = spec.end
-    if cursor != file_size:
-        raise HeaderError(
-            f"tensors end at byte {cursor} but the file has {file_size} bytes",
-            url=url,
-            byte_range=(min(cursor, file_size), max(cursor, file_size)),
-        )
+    bad = _untiled_at(specs, file_size, data_start)
+    if bad is None:
+        return
+    i, cursor = bad
+    if i < len(specs):
+        spec = specs[i]
+        why = "overlaps the tensor before it" if spec.start < cursor else "leaves a gap before it"
+        raise HeaderError(why, url=url, tensor=spec.name, byte_range=spec.byte_range)
+    raise HeaderError(
+        f"tensors end at byte {cursor} but the file has {file_size} bytes",
+        url=url,
+        byte_range=(min(cursor, file_size), max(cursor, file_size)),
+    )
