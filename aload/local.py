@@ -323,7 +323,7 @@ class LocalSource(Source):
 
     def _copy_out(self, offset: int, buf: memoryview) -> None:
         assert self._map is not None
-        self._map.copy_out(offset, buf)
+        self._map.copy_out(offset, buf, cached=self._share_at(offset, len(buf)) == 1.0)
 
     def _check_length(self, offset: int, length: int) -> None:
         assert self._fd is not None

@@ -406,6 +406,49 @@ async def test_a_large_copy_that_would_alias_goes_by_preadv(
             assert sorted(preads, reverse=True) == pieces and copied == ([] if pieces else [n])
 
 
+async def test_a_copy_out_of_the_page_cache_is_not_populated_ahead_but_its_length_is_checked(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large tensor all in the page cache is copied out of the mapping with no populate ahead
+    (the copy's own faults map the pages), and a file that shrank since it was opened is still
+    named with the bytes asked for; a tensor partly on disk is populated first."""
+    path = write({"w": torch.ones(5 * 1024, 1024)})  # 20 MiB: five of the windows the cache is judged by
+    path.read_bytes()
+    if not cached(path):
+        pytest.skip("the file did not stay in the page cache")
+    start = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    size = path.stat().st_size
+    n = size - start
+    populated: list[int] = []
+    real = mapping.FileMapping.populate
+
+    def populate(self: mapping.FileMapping, offset: int, length: int) -> None:
+        populated.append(length)
+        real(self, offset, length)
+
+    monkeypatch.setattr(mapping.FileMapping, "populate", populate)
+    with safe_open(str(path), "pt") as st:
+        want = st.get_tensor("w").numpy().tobytes()
+    dest = placed(torch.empty(n, dtype=torch.uint8), start + 2048).numpy()  # not aliased: copied out
+    async with opened(path) as src:
+        await src.ready()
+        await src.readinto(start, memoryview(dest))
+        assert dest.tobytes() == want and populated == []
+    drop_cache(path, 0, 4 * MiB)  # the first window out
+    async with opened(path) as src:
+        await src.ready()
+        dest[:] = 0
+        await src.readinto(start, memoryview(dest))
+        assert dest.tobytes() == want and populated == [n]
+    path.read_bytes()
+    async with opened(path) as src:
+        await src.ready()
+        os.truncate(path, size - 100)
+        with pytest.raises(aload.SourceError, match="shrank") as info:
+            await src.readinto(start, memoryview(dest))
+    assert info.value.url == str(path) and info.value.byte_range == (start, size)
+
+
 async def test_a_view_partly_evicted_is_populated_in_chunks(write: Callable[..., Path]) -> None:
     """A tensor mostly in the page cache is mapped, but the part of it on disk is brought in by
     several populates at once: in one large piece, one thread read it in."""
