@@ -138,7 +138,7 @@ async def load(
             f"the loader returned after {len(bridge.names)} of {stats.tensors} tensors delivered and left the rest unread"
         )
     # What the load made per tensor, freed a piece at a time once this returns, not in one go.
-    free_in_pieces([bridge.names, *ts.leftovers()])
+    free_in_pieces([bridge.names, *ts.leftovers(), *done.spent])
     seconds = time.perf_counter() - t0
     return LoadReport(
         tensors=stats.tensors,

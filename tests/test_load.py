@@ -610,14 +610,14 @@ async def test_what_a_load_leaves_is_freed_a_piece_per_turn_of_the_loop() -> Non
     callbacks run in between; the first piece goes in the next turn, not in the caller's."""
     from aload._threads import free_in_pieces
 
-    a, b = list(range(5)), list(range(4))
-    seen: list[tuple[int, int]] = []
-    free_in_pieces([a, b], piece=3)
-    assert (len(a), len(b)) == (5, 4)
-    for _ in range(5):
+    a, b, c, d = list(range(5)), list(range(4)), {i: i for i in range(2)}, set(range(3))
+    seen: list[tuple[int, ...]] = []
+    free_in_pieces([a, b, c, d], piece=3)
+    assert (len(a), len(b), len(c), len(d)) == (5, 4, 2, 3)
+    for _ in range(6):
         await asyncio.sleep(0)  # one turn of the loop each
-        seen.append((len(a), len(b)))
-    assert seen == [(2, 4), (0, 3), (0, 0), (0, 0), (0, 0)]
+        seen.append((len(a), len(b), len(c), len(d)))
+    assert seen == [(2, 4, 2, 3), (0, 3, 2, 3), (0, 0, 2, 3), (0, 0, 0, 2), (0, 0, 0, 0), (0, 0, 0, 0)]
 
 
 async def test_a_load_frees_its_plan_after_it_returns_and_leaves_the_callers_checkpoint_whole(
@@ -652,6 +652,36 @@ async def test_a_load_frees_its_plan_after_it_returns_and_leaves_the_callers_che
             assert len(ckpt.specs) == 50
             units.clear()
         assert model.t49.tolist() == [49.0] * 4
+
+
+async def test_the_builtin_loaders_walk_is_freed_after_the_load_returns(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The built-in loader's walk over the model (names of every parameter) is freed in the loop's
+    next turns, not on the loader's thread as it returns (which held the GIL, and the loop)."""
+    from aload import install
+
+    walks: list[Any] = []
+
+    def walk(model: nn.Module) -> Any:
+        walks.append(real(model))
+        return walks[-1]
+
+    real = install._walk
+    monkeypatch.setattr(install, "_walk", walk)
+    path = write({f"t{i}": torch.full((4,), float(i)) for i in range(50)})
+    model = nn.Module()
+    for i in range(50):
+        model.register_buffer(f"t{i}", torch.zeros(4))
+    await aload.load(model, path)
+    (spent,) = walks
+    assert len(spent.targets) == len(spent.state) == 50  # not freed on the way out of load
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert len(spent.targets) == len(spent.state) == 0
+    assert model.t49.tolist() == [49.0] * 4
+    await aload.load(model, path)  # a later load walks the model again
+    assert len(walks) == 2 and model.t7.tolist() == [7.0] * 4
 
 
 async def test_a_sharded_load_starts_no_thread_of_the_event_loops_own(
