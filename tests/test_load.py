@@ -620,24 +620,32 @@ async def test_what_a_load_leaves_is_freed_a_piece_per_turn_of_the_loop() -> Non
     assert seen == [(2, 4, 2, 3), (0, 3, 2, 3), (0, 0, 2, 3), (0, 0, 0, 2), (0, 0, 0, 0), (0, 0, 0, 0)]
 
 
-async def test_a_load_frees_its_plan_after_it_returns_and_leaves_the_callers_checkpoint_whole(
+async def test_a_load_frees_its_plan_and_walk_after_it_returns_and_leaves_the_callers_checkpoint_whole(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The plan a load made (an item per tensor) is freed in the loop's next turns, not as ``load``
-    returns; a checkpoint the caller opened keeps its specs and loads again."""
+    """The plan a load made (an item per tensor) and the built-in loader's walk over the model (a
+    name per parameter) are freed in the loop's next turns, not as ``load`` returns (the walk on
+    the loader's thread, holding the GIL); a checkpoint the caller opened keeps its specs and
+    loads again."""
     import weakref
 
-    from aload import pipeline
+    from aload import install, pipeline
 
     units: list[weakref.ref[Any]] = []
+    walks: list[Any] = []
 
     def make_plan(*args: Any, **kwargs: Any) -> Any:
         plan = real(*args, **kwargs)
         units.extend(weakref.ref(u) for u in plan.units)
         return plan
 
-    real = pipeline.make_plan
+    def walk(model: nn.Module) -> Any:
+        walks.append(real_walk(model))
+        return walks[-1]
+
+    real, real_walk = pipeline.make_plan, install._walk
     monkeypatch.setattr(pipeline, "make_plan", make_plan)
+    monkeypatch.setattr(install, "_walk", walk)
     folder = write({f"t{i}": torch.full((4,), float(i)) for i in range(50)})
     model = nn.Module()
     for i in range(50):
@@ -645,43 +653,17 @@ async def test_a_load_frees_its_plan_after_it_returns_and_leaves_the_callers_che
     async with await aload.open(folder) as ckpt:
         for _ in range(2):
             await aload.load(model, ckpt)
+            (spent,) = walks  # each load walks the model anew
             assert any(u() is not None for u in units)  # not freed on the way out of load
+            assert len(spent.targets) == len(spent.state) == 50
             for _ in range(3):
                 await asyncio.sleep(0)
             assert units and all(u() is None for u in units)
+            assert len(spent.targets) == len(spent.state) == 0
             assert len(ckpt.specs) == 50
             units.clear()
+            walks.clear()
         assert model.t49.tolist() == [49.0] * 4
-
-
-async def test_the_builtin_loaders_walk_is_freed_after_the_load_returns(
-    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The built-in loader's walk over the model (names of every parameter) is freed in the loop's
-    next turns, not on the loader's thread as it returns (which held the GIL, and the loop)."""
-    from aload import install
-
-    walks: list[Any] = []
-
-    def walk(model: nn.Module) -> Any:
-        walks.append(real(model))
-        return walks[-1]
-
-    real = install._walk
-    monkeypatch.setattr(install, "_walk", walk)
-    path = write({f"t{i}": torch.full((4,), float(i)) for i in range(50)})
-    model = nn.Module()
-    for i in range(50):
-        model.register_buffer(f"t{i}", torch.zeros(4))
-    await aload.load(model, path)
-    (spent,) = walks
-    assert len(spent.targets) == len(spent.state) == 50  # not freed on the way out of load
-    for _ in range(3):
-        await asyncio.sleep(0)
-    assert len(spent.targets) == len(spent.state) == 0
-    assert model.t49.tolist() == [49.0] * 4
-    await aload.load(model, path)  # a later load walks the model again
-    assert len(walks) == 2 and model.t7.tolist() == [7.0] * 4
 
 
 async def test_a_sharded_load_starts_no_thread_of_the_event_loops_own(
