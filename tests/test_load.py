@@ -669,11 +669,16 @@ async def test_a_load_frees_its_plan_and_walk_after_it_returns_and_leaves_the_ca
 async def test_a_sharded_load_starts_no_thread_of_the_event_loops_own(
     llama_checkpoint: tuple[Any, Any, Path],
 ) -> None:
-    """The index is read on the store's threads, which end with the load: the loop's default
-    executor (whose threads live as long as the loop) is never started."""
+    """The index is read on the store's threads, which end with the load, and ``bench_stream``
+    asks the page cache on a thread of its own: the loop's default executor (whose threads live as
+    long as the loop) is never started."""
+    from aload.bench import bench_stream
+
     model, cfg, folder = llama_checkpoint
     target = type(model)(cfg)
     before = {t.name for t in threading.enumerate()}
     await aload.load(target, folder)
+    row = await bench_stream(str(folder), max_inflight_bytes=1 << 26, concurrency=2, chunk_bytes=1 << 20)
     started = {t.name for t in threading.enumerate()} - before
+    assert row["tensors"] == len(target.state_dict())
     assert not [name for name in started if name.startswith("asyncio_")], started
