@@ -16,8 +16,10 @@ import collections
 import threading
 from collections.abc import AsyncIterator, Iterator
 
+import torch
+
 from ._threads import CHECK_EVERY, Pacer
-from .arena import UnitView, cut
+from .arena import UnitView, cuts
 from .pipeline import TensorStream
 from .plan import Item, Unit
 from .stages import Pair
@@ -55,7 +57,8 @@ class SyncBridge(Iterator[Pair]):
         # Whole units are held to a few (see _MAX_UNITS), pairs to ``maxsize``.
         self._max = maxsize if not stream.cuts_later else _MAX_UNITS
         self._items: collections.deque[Pair | _Batch] = collections.deque()
-        self._batch: tuple[Unit, UnitView | None, Iterator[Item]] | None = None  # being cut
+        # Being cut: the unit, its items and their tensors (``cuts``) not yet handed out.
+        self._batch: tuple[Unit, Iterator[Item], Iterator[torch.Tensor]] | None = None
         self._cond = threading.Condition()
         self._room = asyncio.Event()
         self._pump_waiting = False
@@ -156,7 +159,7 @@ class SyncBridge(Iterator[Pair]):
                 raise LoadCancelled()
             batch = self._batch  # read once: close() may clear it from the loop
             if batch is not None:
-                unit, base, rest = batch
+                unit, rest, tensors = batch
                 for item in rest:
                     if not item.skip:
                         self.names.append(item.name)
@@ -166,9 +169,9 @@ class SyncBridge(Iterator[Pair]):
                             self._scattered += 1
                             if not self._scattered % CHECK_EVERY:
                                 self._pace()
-                        return item.name, cut(unit, base, item)
+                        return item.name, next(tensors)
                 self._batch = None
-                del batch, unit, base, rest
+                del batch, unit, rest, tensors
             try:
                 entry = self._items.popleft()  # the common case: no lock, no wait
             except IndexError:
@@ -181,7 +184,7 @@ class SyncBridge(Iterator[Pair]):
                 unit = entry.unit
                 if unit.scatter and not unit.filled:  # copied out of the page cache into the destinations, here
                     unit.source.scatter_into(unit.start, [item.dest for item in unit.items])
-                self._batch = (unit, entry.base, iter(unit.items))
+                self._batch = (unit, iter(unit.items), cuts(unit, entry.base))
                 del unit
                 continue
             assert isinstance(entry, tuple)
@@ -197,7 +200,7 @@ class SyncBridge(Iterator[Pair]):
         if batch is None or not batch[0].scatter:
             return []
         self._batch = None
-        names = [item.name for item in batch[2] if not item.skip]
+        names = [item.name for item in batch[1] if not item.skip]
         self.names.extend(names)
         self._pace()  # the consumer's loop over them makes no call that lets go of the GIL
         return names

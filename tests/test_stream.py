@@ -425,3 +425,59 @@ async def test_load_with_verify_delivers_only_what_the_plan_keeps(write: Callabl
     assert all(torch.equal(t, tensors[n]) for n, t in model.got.items())
     assert report.verified_shards == 1 and report.tensors == 2
     assert report.bytes_read >= sum(t.nbytes for t in tensors.values())  # every byte went through the digest
+
+
+def _mixed(n: int = 700) -> dict[str, torch.Tensor]:
+    """Small tensors of four dtypes and five shapes (scalars and empty ones too): safetensors
+    writes them grouped by dtype, in runs longer and shorter than ``arena.CUT_RUN``."""
+    dtypes = [torch.bfloat16, torch.int8, torch.float16]
+    shapes: list[tuple[int, ...]] = [(7,), (3, 5), (), (0, 4), (2, 2, 2)]
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for i in range(n):
+        dtype = torch.float32 if i < 400 else dtypes[i % 3]
+        out[f"t{i:04d}"] = torch.randint(-100, 100, shapes[i % 5], generator=g).to(dtype)
+    return out
+
+
+async def test_tensors_cut_in_runs_are_the_files_own_and_not_held(write: Callable[..., Path]) -> None:
+    """A unit's tensors are cut from its buffer in runs (``arena.cuts``). Through the stream and
+    through ``load_weights`` (with pruned tensors read for a digest among them), each is the file's
+    own, and none is held by aload once handed out: its unit's memory goes back to the reader."""
+    import hashlib
+    import weakref
+
+    from aload.arena import CUT_RUN
+
+    tensors = _mixed()
+    assert sum(t.dtype == torch.float32 for t in tensors.values()) > CUT_RUN
+    path = write(tensors)
+
+    def check(name: str, t: torch.Tensor) -> weakref.ref[torch.Tensor]:
+        want = tensors[name]
+        assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want), name
+        return weakref.ref(t)
+
+    seen = []
+    async with aload.stream(path, max_inflight_bytes=MiB) as s:
+        async for name, t in s:
+            ref = check(name, t)
+            del t
+            assert ref() is None, name
+            seen.append(name)
+    assert sorted(seen) == sorted(tensors)
+
+    class Model(torch.nn.Module):
+        def load_weights(self, weights: object) -> None:
+            for name, t in weights:  # type: ignore[attr-defined]
+                ref = check(name, t)
+                del t
+                assert ref() is None, name
+                seen.append(name)
+
+    seen.clear()
+    keep = S.keep(lambda n: int(n[1:]) % 11 != 5)
+    digest = {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
+    report = await aload.load(Model(), path, stages=keep, verify=digest)
+    assert sorted(seen) == sorted(k for k in tensors if int(k[1:]) % 11 != 5)
+    assert report.verified_shards == 1 and report.tensors == len(seen)
