@@ -404,6 +404,9 @@ def ratios(rows: list[dict[str, Any]], dd: dict[str, float], budget: int = 512 <
             line += f" [per repetition {paired}]"
         if scenario in dd:
             line += f", {med['aload'] / dd[scenario]:.2f}x dd ({dd[scenario]:.2f})"
+            paired = _paired(rows, scenario, "aload", over_dd=True)
+            if paired:
+                line += f" [per repetition {paired}]"
         if "aload_lw" in med:
             line += f"; through load_weights {med['aload_lw']:.2f} = {med['aload_lw'] / peers[best]:.2f}x"
             paired = _paired(rows, scenario, "aload_lw")
@@ -425,21 +428,25 @@ def ratios(rows: list[dict[str, Any]], dd: dict[str, float], budget: int = 512 <
     return "\n".join(out) + "\n"
 
 
-def _paired(rows: list[dict[str, Any]], scenario: str, loader: str) -> str:
+def _paired(rows: list[dict[str, Any]], scenario: str, loader: str, over_dd: bool = False) -> str:
     """``loader``'s GB/s over the fastest peer's of the same repetition (the loaders of one
-    repetition run back to back), median (min-max); "" with fewer than 2 repetitions. The host's
-    speed drifts within a run (8 GiB warm: the six fastest loaders 6.0-7.5 GB/s in one
-    repetition, 4.9-6.1 in the next), and the fastest of seven peers' medians is the highest of seven
-    noisy figures."""
+    repetition run back to back), or over that repetition's ``dd``, median (min-max); "" with
+    fewer than 2 repetitions. The host's speed drifts within a run (8 GiB warm: the six fastest
+    loaders 6.0-7.5 GB/s in one repetition, 4.9-6.1 in the next), and the fastest of seven peers'
+    medians is the highest of seven noisy figures."""
     by_rep: dict[int, dict[str, float]] = {}
     for r in rows:
         if r["scenario"] == scenario:
-            by_rep.setdefault(r.get("rep", 0), {})[r["loader"]] = r["gbps"]
+            rep = by_rep.setdefault(r.get("rep", 0), {})
+            rep[r["loader"]] = r["gbps"]
+            if r.get("dd_gbps"):
+                rep["(dd)"] = r["dd_gbps"]
     got = []
     for rep in by_rep.values():
-        peers = [v for k, v in rep.items() if not k.startswith("aload")]
-        if loader in rep and peers:
-            got.append(rep[loader] / max(peers))
+        peers = [v for k, v in rep.items() if not k.startswith(("aload", "("))]
+        over = [rep["(dd)"]] if over_dd and "(dd)" in rep else [] if over_dd else peers
+        if loader in rep and over:
+            got.append(rep[loader] / max(over))
     if len(got) < 2:
         return ""
     return f"{statistics.median(got):.2f}x ({min(got):.2f}-{max(got):.2f})"
@@ -588,10 +595,10 @@ def main() -> None:
         runai_c = max(trials, key=trials.__getitem__)
         print(f"runai concurrency sweep (warm, {first.name}): {trials} -> {runai_c}", flush=True)
     rows: list[dict[str, Any]] = []
-    dd: dict[str, float] = {}
+    dd: dict[str, list[float]] = {}
     for label, folder in ckpts.items():
         warm_cache(folder)
-        dd[f"warm {label}"] = statistics.median(warm_cache(folder) for _ in range(3))
+        dd[f"warm {label}"] = [warm_cache(folder) for _ in range(3)]
         for scenario in a.scenarios.split(","):
             name = f"{scenario} {label}"
             # The first load to read a checkpoint from this VM's disk after a pause ran 3-4x slower
@@ -601,9 +608,15 @@ def main() -> None:
             if scenario != "warm" and not a.no_settle:
                 child(loaders[0], folder, runai_c, scenario)
             for rep in range(a.reps):
+                # The host drifts within a run: warm, `dd` is read again before each repetition,
+                # and each aload run is also set against its own repetition's.
+                dd_now = warm_cache(folder) if scenario == "warm" else None
+                if dd_now is not None:
+                    dd[name].append(dd_now)
                 for loader in loaders if rep % 2 == 0 else loaders[::-1]:
                     row = child(loader, folder, runai_c, scenario)
                     row.update(scenario=name, rep=rep, runai_concurrency=runai_c if loader == "runai_best" else None)
+                    row.update(dd_gbps=dd_now)
                     if rep:
                         row.pop("mem_trace", None)
                     rows.append(row)
@@ -613,8 +626,10 @@ def main() -> None:
     )
     (a.out / "traces.json").write_text(json.dumps([r for r in rows if "mem_trace" in r]))
     report = "# aload benchmark suite\n\n" + "\n".join(f"- `{k}`: {v}" for k, v in LOADERS.items() if k in loaders)
-    report += "\n\ndd of the same files (warm): " + ", ".join(f"{k}: {v:.2f} GB/s" for k, v in dd.items())
-    report += "\n\n" + table(rows) + "\n" + ratios(rows, dd)
+    report += "\n\ndd of the same files (warm; before the runs and before each warm repetition): " + ", ".join(
+        f"{k}: {statistics.median(v):.2f} GB/s ({min(v):.2f}-{max(v):.2f})" for k, v in dd.items()
+    )
+    report += "\n\n" + table(rows) + "\n" + ratios(rows, {k: statistics.median(v) for k, v in dd.items()})
     (a.out / "report.md").write_text(report)
     made = plots(rows, a.out)
     print("\n" + report)
