@@ -206,8 +206,8 @@ CUT_RUN = 256
 
 
 def cuts(unit: Unit, view: UnitView | None) -> Iterator[torch.Tensor]:
-    """The tensors of the unit's delivered items, in order, each what ``cut`` gives, but from a
-    buffer in runs of neighbours of one dtype (``CUT_RUN``). A piece is let go of as it is handed
+    """The tensors of the unit's delivered items, in order, each what ``cut`` gives, but cut from
+    its buffer in runs of neighbours of one dtype (``CUT_RUN``). A piece is let go of as it is handed
     out (not even the generator's frame holds it), so that a unit's memory is released once the
     consumer has dropped every tensor it was given."""
     items = unit.items
@@ -225,6 +225,9 @@ def cuts(unit: Unit, view: UnitView | None) -> Iterator[torch.Tensor]:
         for item in items[i:j]:
             if item.skip:
                 pieces.popleft()
+            elif not item.spec.nbytes:  # owns no bytes, as ``cut`` gives it: holds no buffer alive
+                pieces.popleft()
+                yield cut(unit, view, item)
             elif len(item.spec.shape) == 1:
                 yield pieces.popleft()
             else:

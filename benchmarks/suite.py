@@ -444,7 +444,10 @@ def _paired(rows: list[dict[str, Any]], scenario: str, loader: str, over_dd: boo
     got = []
     for rep in by_rep.values():
         peers = [v for k, v in rep.items() if not k.startswith(("aload", "("))]
-        over = [rep["(dd)"]] if over_dd and "(dd)" in rep else [] if over_dd else peers
+        if over_dd:
+            over = [rep["(dd)"]] if "(dd)" in rep else []
+        else:
+            over = peers
         if loader in rep and over:
             got.append(rep[loader] / max(over))
     if len(got) < 2:
@@ -615,8 +618,12 @@ def main() -> None:
                     dd[name].append(dd_now)
                 for loader in loaders if rep % 2 == 0 else loaders[::-1]:
                     row = child(loader, folder, runai_c, scenario)
-                    row.update(scenario=name, rep=rep, runai_concurrency=runai_c if loader == "runai_best" else None)
-                    row.update(dd_gbps=dd_now)
+                    row.update(
+                        scenario=name,
+                        rep=rep,
+                        runai_concurrency=runai_c if loader == "runai_best" else None,
+                        dd_gbps=dd_now,
+                    )
                     if rep:
                         row.pop("mem_trace", None)
                     rows.append(row)

@@ -456,6 +456,8 @@ async def test_tensors_cut_in_runs_are_the_files_own_and_not_held(write: Callabl
     def check(name: str, t: torch.Tensor) -> weakref.ref[torch.Tensor]:
         want = tensors[name]
         assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want), name
+        if not want.numel():  # owns no bytes: holding it holds no unit's memory
+            assert t.untyped_storage().nbytes() == 0, name
         return weakref.ref(t)
 
     seen = []
