@@ -221,8 +221,9 @@ def cuts(unit: Unit, view: UnitView | None) -> Iterator[torch.Tensor]:
         dtype, j = items[i].spec.dtype, i + 1
         while j < n and j - i < CUT_RUN and items[j].spec.dtype == dtype:
             j += 1
-        pieces = view.pieces(items[i:j])
-        for item in items[i:j]:
+        run = items[i:j]
+        pieces = view.pieces(run)
+        for item in run:
             if item.skip:
                 pieces.popleft()
             elif not item.spec.nbytes:  # owns no bytes, as ``cut`` gives it: holds no buffer alive

@@ -399,19 +399,13 @@ def ratios(rows: list[dict[str, Any]], dd: dict[str, float], budget: int = 512 <
             continue
         best = max(peers, key=peers.__getitem__)
         line = f"{scenario}: aload {med['aload']:.2f} GB/s = {med['aload'] / peers[best]:.2f}x the fastest peer ({best} {peers[best]:.2f})"
-        paired = _paired(rows, scenario, "aload")
-        if paired:
-            line += f" [per repetition {paired}]"
+        line += _paired(rows, scenario, "aload")
         if scenario in dd:
             line += f", {med['aload'] / dd[scenario]:.2f}x dd ({dd[scenario]:.2f})"
-            paired = _paired(rows, scenario, "aload", over_dd=True)
-            if paired:
-                line += f" [per repetition {paired}]"
+            line += _paired(rows, scenario, "aload", over_dd=True)
         if "aload_lw" in med:
             line += f"; through load_weights {med['aload_lw']:.2f} = {med['aload_lw'] / peers[best]:.2f}x"
-            paired = _paired(rows, scenario, "aload_lw")
-            if paired:
-                line += f" [per repetition {paired}]"
+            line += _paired(rows, scenario, "aload_lw")
         anon = max(
             r["peak_anon_delta_bytes"] for r in rows if r["scenario"] == scenario and r["loader"].startswith("aload")
         )
@@ -430,8 +424,8 @@ def ratios(rows: list[dict[str, Any]], dd: dict[str, float], budget: int = 512 <
 
 def _paired(rows: list[dict[str, Any]], scenario: str, loader: str, over_dd: bool = False) -> str:
     """``loader``'s GB/s over the fastest peer's of the same repetition (the loaders of one
-    repetition run back to back), or over that repetition's ``dd``, median (min-max); "" with
-    fewer than 2 repetitions. The host's speed drifts within a run (8 GiB warm: the six fastest
+    repetition run back to back), or over that repetition's ``dd``, as " [per repetition median
+    (min-max)]"; "" with fewer than 2 repetitions. The host's speed drifts within a run (8 GiB warm: the six fastest
     loaders 6.0-7.5 GB/s in one repetition, 4.9-6.1 in the next), and the fastest of seven peers'
     medians is the highest of seven noisy figures."""
     by_rep: dict[int, dict[str, float]] = {}
@@ -452,7 +446,7 @@ def _paired(rows: list[dict[str, Any]], scenario: str, loader: str, over_dd: boo
             got.append(rep[loader] / max(over))
     if len(got) < 2:
         return ""
-    return f"{statistics.median(got):.2f}x ({min(got):.2f}-{max(got):.2f})"
+    return f" [per repetition {statistics.median(got):.2f}x ({min(got):.2f}-{max(got):.2f})]"
 
 
 def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
