@@ -4,7 +4,7 @@ A unit is read into a ``Lease``: a region of the ``Arena`` (one buffer of the by
 allocated once and reused, so pages are faulted in once per load instead of once per tensor), a
 fresh allocation outside it, or a view of a mapped file. Its tensors are views of that memory,
 cut from it on whichever thread consumes them: one ``as_strided`` call each (``UnitView``,
-``cut``), or a run of them at once (``cuts``).
+``cut``), or a run of them at once (``run_at``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import bisect
 import collections
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -199,38 +198,38 @@ def cut(unit: Unit, view: UnitView | None, item: Item) -> torch.Tensor:
     return view.tensor(item)
 
 
-#: Tensors of a unit cut at once, at most (``cuts``): one ``split_with_sizes`` for the run instead
+#: Tensors of a unit cut at once, at most (``run_at``): one ``split_with_sizes`` for the run instead
 #: of an ``as_strided`` each (a micro-benchmark of 4 KiB tensors: 0.7-0.8 us a tensor against
 #: 2.1-2.3), while a run's pieces, alive together until handed out, stay few.
 CUT_RUN = 256
 
 
-def cuts(unit: Unit, view: UnitView | None) -> Iterator[torch.Tensor]:
-    """The tensors of the unit's delivered items, in order, each what ``cut`` gives, but cut from
-    its buffer in runs of neighbours of one dtype (``CUT_RUN``). A piece is let go of as it is handed
-    out (not even the generator's frame holds it), so that a unit's memory is released once the
-    consumer has dropped every tensor it was given."""
+def run_at(unit: Unit, view: UnitView | None, i: int) -> tuple[collections.deque[tuple[str, torch.Tensor]], int]:
+    """The (name, tensor) pairs of the unit's delivered items in a run from item ``i`` on, each
+    tensor what ``cut`` gives, and the index of the item after the run. A run is at most
+    ``CUT_RUN`` items of one dtype, cut from the buffer at once; a consumer takes its pairs with
+    ``popleft`` (a C call, where a generator's step per tensor was Python), so that nothing here
+    holds a pair once it is handed out and a unit's memory goes back once the consumer has
+    dropped every tensor it was given."""
     items = unit.items
+    n = len(items)
     if unit.dest is not None or unit.scatter or view is None:
-        for item in items:
-            if not item.skip:
-                yield cut(unit, view, item)
-        return
-    i, n = 0, len(items)
-    while i < n:
-        dtype, j = items[i].spec.dtype, i + 1
-        while j < n and j - i < CUT_RUN and items[j].spec.dtype == dtype:
-            j += 1
-        run = items[i:j]
-        pieces = view.pieces(run)
-        for item in run:
-            if item.skip:
-                pieces.popleft()
-            elif not item.spec.nbytes:  # owns no bytes, as ``cut`` gives it: holds no buffer alive
-                pieces.popleft()
-                yield cut(unit, view, item)
-            elif len(item.spec.shape) == 1:
-                yield pieces.popleft()
-            else:
-                yield pieces.popleft().view(item.spec.shape)
-        i = j
+        j = min(i + CUT_RUN, n)
+        return collections.deque((item.name, cut(unit, view, item)) for item in items[i:j] if not item.skip), j
+    dtype, j = items[i].spec.dtype, i + 1
+    while j < n and j - i < CUT_RUN and items[j].spec.dtype == dtype:
+        j += 1
+    run = items[i:j]
+    pieces = view.pieces(run)
+    out: collections.deque[tuple[str, torch.Tensor]] = collections.deque()
+    for item in run:
+        piece = pieces.popleft()
+        if item.skip:
+            continue
+        spec = item.spec
+        if not spec.nbytes:  # owns no bytes, as ``cut`` gives it: holds no buffer alive
+            piece = cut(unit, view, item)
+        elif len(spec.shape) != 1:
+            piece = piece.view(spec.shape)
+        out.append((item.name, piece))
+    return out, j

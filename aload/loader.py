@@ -132,6 +132,7 @@ async def load(
     finally:
         loader._walked = loader._unquantized = None  # a Loader kept for later loads holds no reference to this model
     assert bridge is not None
+    bridge.settle()
     stats = ts.stats
     if strict and not bridge.exhausted:
         raise LoadError(
@@ -183,6 +184,8 @@ def _work(loader: Loader, model: nn.Module, bridge: SyncBridge, dev: torch.devic
 def _record_progress(exc: BaseException, bridge: SyncBridge | None, direct: bool) -> None:
     """Say on a failed load's exception how far it got: ``exc.aload_delivered`` lists the tensors
     handed to the loader, in order, and a note says what that means for the model."""
+    if bridge is not None:
+        bridge.settle()
     names = list(bridge.names) if bridge is not None else []
     with contextlib.suppress(AttributeError, TypeError):  # an exception type that takes no attributes
         exc.aload_delivered = names  # type: ignore[attr-defined]

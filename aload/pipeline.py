@@ -125,7 +125,7 @@ class TensorStream:
 
     async def units(self) -> AsyncIterator[tuple[Unit, UnitView | None]]:
         """Whole units in plan order, for a consumer that cuts the tensors itself on its own
-        thread (``arena.cuts``) and counts them delivered here (``reader.account``). Only where
+        thread (``arena.run_at``) and counts them delivered here (``reader.account``). Only where
         ``cuts_later``; the stream is then iterated this way instead of by pairs."""
         if not self.cuts_later:
             raise UsageError("units() bypasses the tensor stages this stream has")

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ._threads import PAUSE_AFTER_S
-from .arena import ARENA, MAPPED, OUTSIDE, Arena, Lease, UnitView, byte_view, cuts, host_array, prefault
+from .arena import ARENA, MAPPED, OUTSIDE, Arena, Lease, UnitView, byte_view, host_array, prefault, run_at
 from .direct import ALIGN
 from .errors import UsageError
 from .integrity import Digests, ShardHash
@@ -357,15 +357,16 @@ class Reader:
         async for unit, base in self.units():
             if unit.scatter and not unit.filled:  # a bridge does this on its consumer's thread; here, on the helper's
                 await self._helper.run(unit.source.scatter_into, unit.start, [item.dest for item in unit.items])
-            tensors = cuts(unit, base)
-            for item in unit.items:
-                if not item.skip:
-                    self.account(unit, item.spec.nbytes, 1)
-                    yield item.name, next(tensors)
+            i, n = 0, len(unit.items)
+            while i < n:
+                run, i = run_at(unit, base, i)
+                while run:
+                    self.account(unit, run[0][1].nbytes, 1)
+                    yield run.popleft()  # not held here once handed out
                     if clock() >= due:
                         await asyncio.sleep(0)
                         due = clock() + PAUSE_AFTER_S
-            del base, tensors
+            del base
             due = clock() + PAUSE_AFTER_S  # the wait for the next unit let the loop run
 
     def account(self, unit: Unit, nbytes: int, tensors: int) -> None:

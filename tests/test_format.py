@@ -89,6 +89,8 @@ BAD: dict[str, tuple[Any, bytes, dict[str, Any]]] = {
     "extra field": ({"a": {**entry(), "x": 1}}, b"\0" * 8, {}),
     "size mismatch": ({"a": entry(offsets=[0, 12])}, b"\0" * 12, {}),
     "inverted offsets": ({"a": entry(offsets=[8, 0])}, b"\0" * 8, {}),
+    "negative offsets": ({"a": entry(offsets=[-8, 0])}, b"\0" * 8, {}),
+    "bool offset": ({"a": entry(offsets=[False, 8])}, b"\0" * 8, {}),
     "overflowing shape": ({"a": entry(shape=[2**40, 2**40])}, b"\0" * 8, {}),
     "overlap": ({"a": entry(offsets=[0, 8]), "b": entry(offsets=[4, 12])}, b"\0" * 12, {}),
     "gap": ({"a": entry(offsets=[0, 8]), "b": entry(offsets=[12, 20])}, b"\0" * 20, {}),

@@ -337,6 +337,70 @@ async def test_loader_that_stops_early_is_an_error(write: Callable[..., Path]) -
         await aload.load(Lazy(), path)
 
 
+async def test_a_run_of_tensors_ends_where_the_loader_stops(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small tensors reach ``load_weights`` in runs (``arena.CUT_RUN`` cut at once). A loader that
+    fails, returns early or is cancelled in the middle of a run is told apart exactly: what it was
+    given is what the error says was delivered, and after a cancel it is given nothing more."""
+    from aload.arena import CUT_RUN
+    from aload.bridge import SyncBridge
+
+    n, stop_at = 3 * CUT_RUN, CUT_RUN + CUT_RUN // 2
+    path = write({f"t{i:04d}": torch.full((16,), float(i)) for i in range(n)})
+    seen: list[str] = []
+
+    class Boom(nn.Module):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for name, _ in weights:
+                seen.append(name)
+                if len(seen) == stop_at:
+                    raise KeyError("model code failed")
+
+    with pytest.raises(KeyError) as info:
+        await aload.load(Boom(), path)
+    assert info.value.aload_delivered == seen  # type: ignore[attr-defined]
+    assert any(f"{stop_at} tensor(s)" in note for note in getattr(info.value, "__notes__", []))
+
+    class Early(nn.Module):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            it = iter(weights)
+            for _ in range(stop_at):
+                next(it)
+
+    with pytest.raises(aload.LoadError, match=f"after {stop_at} of {n} tensors"):
+        await aload.load(Early(), path)
+
+    closed, reached, resume = threading.Event(), threading.Event(), threading.Event()
+    real_close = SyncBridge.close
+
+    def close(self: SyncBridge) -> None:
+        real_close(self)
+        closed.set()
+
+    monkeypatch.setattr(SyncBridge, "close", close)
+
+    class Paused(nn.Module):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for name, _ in weights:
+                seen.append(name)
+                if len(seen) == stop_at:
+                    reached.set()
+                    resume.wait()
+
+    seen.clear()
+    task = asyncio.ensure_future(aload.load(Paused(), path))
+    while not reached.is_set():
+        await asyncio.sleep(0.005)
+    task.cancel()
+    while not closed.is_set():
+        await asyncio.sleep(0.005)
+    resume.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(seen) == stop_at  # nothing more of its run after the cancel
+
+
 async def test_load_sync_refuses_a_running_loop(write: Callable[..., Path]) -> None:
     path = write({"weight": torch.ones(2, 2), "bias": torch.ones(2)})
     with pytest.raises(aload.UsageError, match="running event loop"):

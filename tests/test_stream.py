@@ -441,7 +441,7 @@ def _mixed(n: int = 700) -> dict[str, torch.Tensor]:
 
 
 async def test_tensors_cut_in_runs_are_the_files_own_and_not_held(write: Callable[..., Path]) -> None:
-    """A unit's tensors are cut from its buffer in runs (``arena.cuts``). Through the stream and
+    """A unit's tensors are cut from its buffer in runs (``arena.run_at``). Through the stream and
     through ``load_weights`` (with pruned tensors read for a digest among them), each is the file's
     own, and none is held by aload once handed out: its unit's memory goes back to the reader."""
     import hashlib
