@@ -78,6 +78,7 @@ class SyncBridge(Iterator[Pair]):
         self.exhausted = False
         self.names: list[str] = []  # handed to the consumer, in order
         self._pace = Pacer()
+        self._pairs = self._iterate()  # refers to this bridge: let go of in settle()
 
     async def _entries(self) -> AsyncIterator[Pair | _Batch]:
         """Pairs, or whole units where no tensor stage needs to see the pairs: then the loop
@@ -164,23 +165,18 @@ class SyncBridge(Iterator[Pair]):
         """The pairs, a run at a time: within a run each comes from a C call (the run's
         ``popleft``) with no Python of aload's in between. A ``__next__`` per pair (a Python call,
         and a generator's step to cut the tensor) cost the consumer's thread 71-81 ms of CPU a
-        load of 20,000 tensors, against 58-63 ms this way."""
-        return self._pairs()
+        load of 20,000 tensors, against 58-63 ms this way. One generator for the whole load,
+        whoever iterates: a loader that hands ``weights`` on half-way (to a submodule's
+        ``load_weights``) goes on from where that one stopped."""
+        return self._pairs
 
-    def _pairs(self) -> Iterator[Pair]:
+    def __next__(self) -> Pair:
+        return next(self._pairs)
+
+    def _iterate(self) -> Iterator[Pair]:
         take = self._take_run
         while take():
             yield from iter(self._run.popleft, _END)
-
-    def __next__(self) -> Pair:
-        while True:
-            run = self._run
-            if run:
-                pair = run.popleft()
-                if pair is not _END:
-                    return pair  # type: ignore[no-any-return]
-            if not self._take_run():
-                raise StopIteration
 
     def _take_run(self) -> bool:
         """Make the next run of pairs ``self._run``, ``_END`` last; False at the stream's end."""
@@ -233,7 +229,9 @@ class SyncBridge(Iterator[Pair]):
         return True
 
     def settle(self) -> None:
-        """Once the consumer has stopped: ``names`` only those handed out, not the rest of its run."""
+        """Once the consumer has stopped: ``names`` only those handed out, not the rest of its
+        run; and the generator let go of (with it, the cycle through this bridge)."""
+        self._pairs = iter(())
         run = self._run
         pending = len(run) - run.count(_END)
         if pending:

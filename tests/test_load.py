@@ -357,6 +357,20 @@ async def test_a_run_of_tensors_ends_where_the_loader_stops(
                 if len(seen) == stop_at:
                     raise KeyError("model code failed")
 
+    class HandsOn(nn.Module):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for name, _ in weights:
+                seen.append(name)
+                if len(seen) == stop_at:  # a submodule's loader, given the same weights, takes some
+                    for inner, _ in weights:
+                        seen.append(inner)
+                        if len(seen) == stop_at + 10:
+                            break
+
+    await aload.load(HandsOn(), path)
+    assert seen == [f"t{i:04d}" for i in range(n)]  # each once, in order, wherever it was taken
+
+    seen.clear()
     with pytest.raises(KeyError) as info:
         await aload.load(Boom(), path)
     assert info.value.aload_delivered == seen  # type: ignore[attr-defined]
