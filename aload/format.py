@@ -243,10 +243,13 @@ def _untiled_at(specs: list[TensorSpec], file_size: int, data_start: int) -> tup
     end; else where that fails: the index of the first out of place (``len(specs)`` when they end
     elsewhere than the file's end) and the byte where it should have started."""
     cursor = data_start
+    pace = Pacer()  # a Python step per tensor: 20,000 held the GIL 2.7-7.8 ms in one go
     for i, spec in enumerate(specs):
         if spec.start != cursor:
             return i, cursor
         cursor = spec.end
+        if not i % CHECK_EVERY:
+            pace()
     return None if cursor == file_size else (len(specs), cursor)
 
 

@@ -1,7 +1,7 @@
 """Where the event loop is late during one load, and why: the stall sampler the lateness notes in
 docs/benchmarks.md come from.
 
-    python benchmarks/loop_stalls.py CHECKPOINT_DIR [--load-weights] [--cold] [--late-ms 3]
+    python benchmarks/loop_stalls.py CHECKPOINT_DIR [--load-weights | --stream] [--cold] [--late-ms 3]
         [--source URL [--preload]]
 
 ``--source`` loads the same checkpoint from a URL instead (``http(s)://`` or ``s3://``, with the
@@ -9,7 +9,8 @@ endpoint and credentials from the usual AWS variables), the model still built fr
 ``--preload`` calls ``aload.preload()`` first, as a serving process would at start-up.
 
 A 1 ms ticker runs on the loop while ``aload.load`` fills a preallocated model (or, with
-``--load-weights``, a vLLM-style ``load_weights`` that ``copy_()``s each tensor). A watchdog thread
+``--load-weights``, a vLLM-style ``load_weights`` that ``copy_()``s each tensor; with ``--stream``,
+``aload.stream`` on the loop, each tensor dropped, as ``aload bench`` does). A watchdog thread
 looks every 0.5 ms; when the ticker is more than ``--late-ms`` late, it records the loop thread's
 stack and the stack of every other thread that is not idle in a pool, so a stall shows what held
 the loop up: the GIL held by Python on another thread, a thread start (``Thread.start`` waits for
@@ -51,6 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", type=Path)
     ap.add_argument("--load-weights", action="store_true", help="through a vLLM-style load_weights")
+    ap.add_argument("--stream", action="store_true", help="aload.stream on the loop, as aload bench does")
     ap.add_argument("--cold", action="store_true", help="drop the files from the page cache first")
     ap.add_argument("--late-ms", type=float, default=3.0)
     ap.add_argument("--source", help="load from this URL (the folder gives the model's shapes)")
@@ -103,14 +105,18 @@ def main() -> None:
         watcher.start()
         t0[0] = time.perf_counter()
         try:
-            return await aload.load(Engine() if a.load_weights else model, a.source or a.folder)
+            if not a.stream:
+                return (await aload.load(Engine() if a.load_weights else model, a.source or a.folder)).summary()
+            async with aload.stream(a.source or a.folder) as s:
+                async for pair in s:
+                    del pair  # not held while the next is awaited
+                return f"streamed {s.stats.tensors} tensors, {s.stats.bytes / 1e9:.3f} GB"
         finally:
             stop.set()
             ticker.cancel()
             watcher.join()
 
-    report = asyncio.run(run())
-    print(report.summary())
+    print(asyncio.run(run()))
     print(f"{len(stalls)} stall(s) over {a.late_ms} ms:")
     for at, late, loop_stack, busy in stalls:
         print(f"{at * 1e3:8.1f} ms  {late * 1e3:5.1f} ms late  loop: {loop_stack}")

@@ -126,6 +126,20 @@ async def test_tensor_in_two_shards_is_refused(write: Callable[..., Path]) -> No
     assert info.value.tensor == "dup"
 
 
+async def test_a_clash_past_the_first_piece_of_a_large_shard_is_named(write: Callable[..., Path]) -> None:
+    """Shards are added to the checkpoint a piece at a time (``_ASSEMBLE_PIECE`` tensors): a
+    tensor two shards hold, found in a later piece, is the one named, not one of its own shard's
+    earlier pieces."""
+    from aload.checkpoint import _ASSEMBLE_PIECE
+
+    n = _ASSEMBLE_PIECE + 8
+    write({**{f"t{i:05d}": torch.ones(1) for i in range(n)}, "zz": torch.ones(1)}, name="ckpt/one.safetensors")
+    path = write({**{f"u{i:05d}": torch.ones(1) for i in range(n)}, "zz": torch.ones(1)}, name="ckpt/two.safetensors")
+    with pytest.raises(aload.CheckpointError, match="two shards") as info:
+        await aload.open(path.parent)
+    assert info.value.tensor == "zz"
+
+
 async def test_missing_path_and_empty_folder(tmp_path: Path) -> None:
     with pytest.raises(aload.SourceError, match="no such file"):
         await aload.open(tmp_path / "nope")
