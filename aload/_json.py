@@ -25,7 +25,16 @@ class _GcPause:
     the collector ran ~150 times during one and, every load or two, a full collection of the whole
     process (130-170 ms, holding the GIL and so the event loop): a third of a whole load's time.
     Parsing makes no reference cycles, so nothing is left for later. Collection resumes when the
-    last pause ends (pauses on several threads nest) if it was enabled when the first began."""
+    last pause ends (pauses on several threads nest) if it was enabled when the first began.
+
+    Nothing is collected during the pause either: a collection of the youngest generation after
+    each piece (once done here, to spread the work) moved the live containers up, ten of those a
+    collection of the middle generation, and the header's containers reached the oldest one. In a
+    fresh process (the usual first load of a serving process) that set off a full collection in
+    the middle of the load: 146-193 ms holding the GIL, twice in one stream of 20,000 tensors. The
+    containers are freed, a piece at a time, once their specs are made (``format._specs``), so
+    when collection resumes the youngest generation holds little: each spec is untracked, and
+    specs of one shape share one shape tuple."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -38,17 +47,6 @@ class _GcPause:
             if self._depth == 1:
                 self._resume = gc.isenabled()
                 gc.disable()
-
-    def collect_young(self) -> None:
-        """During a pause, a collection of the youngest generation now, if collection will resume:
-        what the parse made would otherwise be examined in one go when it does (40,000 objects on
-        a 20,000-tensor header: 3.7-4.0 ms holding the GIL, 7 ms with the cores busy). Each small
-        one examines what was made since the last (a decoded piece of JSON, or a slice of specs),
-        untracks the shape tuples and moves the rest up a generation (the specs themselves are not
-        tracked: ``untrack``). Generation 0 only: a promotion to the oldest generation would bring
-        its full collection (100+ ms) nearer."""
-        if self._depth and self._resume:
-            gc.collect(0)
 
     def __exit__(self, *exc: object) -> None:
         with self._lock:
@@ -162,7 +160,6 @@ def _object_in_pieces(text: str, at: int, cut: re.Pattern[str]) -> tuple[dict[st
             return None
         out.update(part)
         begin = comma + 1
-        gc_paused.collect_young()  # the piece's containers, while they are few
         pace()  # let a thread waiting for the GIL (the event loop) have it: see ``paced``
     try:
         if begin == at:

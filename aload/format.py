@@ -128,11 +128,6 @@ def parse_header(raw: bytes, file_size: int, url: str) -> Header:
     return Header(tuple(specs), metadata, data_start)
 
 
-#: Tensors parsed between two collections of the youngest generation during a pause (a multiple
-#: of ``CHECK_EVERY``, where ``_specs`` looks).
-_YOUNG_EVERY = 1024
-
-
 _START, _END = operator.attrgetter("start"), operator.attrgetter("end")
 
 
@@ -171,6 +166,9 @@ def _specs(obj: dict[str, Any], url: str, data_start: int) -> list[TensorSpec]:
     which says what is wrong. ``type(x) is int`` refuses bools and floats alike."""
     specs: list[TensorSpec] = []
     append, sizes, new = specs.append, ITEMSIZE, _new_tuple
+    # One tuple per shape, shared by its specs: a tuple is tracked by the collector until a
+    # collection looks at it, and 20,000 of them were all the youngest generation held.
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
     pace = Pacer()
     i = 0
     for name, entry in obj.items():
@@ -187,17 +185,15 @@ def _specs(obj: dict[str, Any], url: str, data_start: int) -> list[TensorSpec]:
                     else:
                         begin, end = offsets
                         if type(begin) is int and type(end) is int and 0 <= begin and end - begin == n <= _MAX_NBYTES:
-                            spec = new(
-                                TensorSpec, (name, dtype, tuple(shape), url, data_start + begin, data_start + end)
-                            )
+                            dims = tuple(shape)
+                            dims = shapes.setdefault(dims, dims)
+                            spec = new(TensorSpec, (name, dtype, dims, url, data_start + begin, data_start + end))
                             untrack(spec)
         append(spec if spec is not None else _spec(name, entry, url, data_start))
         obj[name] = None  # freed here, a few at a time, not in one go at the end
         i += 1
         if not i % CHECK_EVERY:
             pace()  # see ``paced``
-            if not i % _YOUNG_EVERY:
-                gc_paused.collect_young()
     return specs
 
 

@@ -206,16 +206,34 @@ async def test_specs_and_plan_items_are_left_out_of_the_cycle_collector(sharded:
     """Each ``TensorSpec`` and plan ``Item`` is a tuple of leaves the collector need not track.
     CPython stops tracking exact tuples of leaves by itself, but not a NamedTuple's instances: a
     load of 20,000 tensors promoted ~40,000 of them to the oldest generation, and every ~4 such
-    loads a full collection (157-204 ms here, holding the GIL) walked the whole process."""
+    loads a full collection (157-204 ms here, holding the GIL) walked the whole process. The plan
+    is made with the collector paused."""
     import gc
 
     from aload.plan import make_plan
 
-    folder = sharded({f"layers.{i}.w": torch.randn(8, 8) for i in range(40)}, 2)
+    folder = sharded({f"layers.{i}.w": torch.randn(8, 8) for i in range(2000)}, 2)
+    collections: list[int] = []
+
+    def watch(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
     async with await aload.open(folder) as ckpt:
-        plan = make_plan(ckpt, None, None, 1 << 20)
+        was = gc.isenabled()
+        gc.enable()
+        gc.callbacks.append(watch)
+        try:
+            plan = make_plan(ckpt, None, None, 1 << 20)
+        finally:
+            gc.callbacks.remove(watch)
+            if not was:
+                gc.disable()
+        # Made with the collector paused: ~3 collections of the youngest generation otherwise,
+        # each a step towards a full one.
+        assert collections == [], collections
         items = [item for unit in plan.units for item in unit.items]
-        assert len(items) == len(ckpt.specs) == 40
+        assert len(items) == len(ckpt.specs) == 2000
         assert not any(gc.is_tracked(s) for s in ckpt.specs.values())
         assert not any(gc.is_tracked(item) for item in items)
         assert all(item.spec is ckpt.specs[item.name] for item in items)  # and they still read as before

@@ -305,33 +305,39 @@ def test_paced_hands_over_the_gil_every_so_many_items(monkeypatch: pytest.Monkey
     assert slept == [0, 0, 0]
 
 
-def test_a_large_header_leaves_the_collector_small_collections() -> None:
-    """Parsing pauses the cyclic collector; what the parse made (a spec and a shape per tensor)
-    is collected a slice at a time, not found all at once when collection resumes (40,000
-    young objects on 20,000 tensors held the GIL 4-7 ms in one collection)."""
+def test_a_large_header_leaves_the_collector_nothing_to_do() -> None:
+    """Parsing pauses the cyclic collector and collects nothing meanwhile. The header's JSON
+    containers are freed a piece at a time, never moved up the generations (where, in a fresh
+    process, they set off a full collection in the middle of the load: 146-193 ms holding the
+    GIL); the specs are untracked and share their shape tuples, so the youngest generation holds
+    a few objects, not one per tensor, when collection resumes."""
     import gc
 
-    from aload.format import _YOUNG_EVERY, parse_header
+    from aload.format import parse_header
 
-    n = 8 * _YOUNG_EVERY
+    n = 8192
     header = {f"t.{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]} for i in range(n)}
     raw = json.dumps(header, separators=(",", ":")).encode()  # as safetensors writes it
-    young_at_start: list[int] = []
+    collections: list[int] = []
 
     def watch(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            young_at_start.append(gc.get_count()[0])
+            collections.append(info["generation"])
 
     gc.collect()
     was = gc.isenabled()
     gc.enable()
     gc.callbacks.append(watch)
     try:
+        older = len(gc.get_objects(1)) + len(gc.get_objects(2))
         specs = parse_header(raw, 8 + len(raw) + 4 * n, "mem").specs
+        young = len(gc.get_objects(0))
+        moved_up = len(gc.get_objects(1)) + len(gc.get_objects(2)) - older
     finally:
         gc.callbacks.remove(watch)
         if not was:
             gc.disable()
-    assert len(specs) == n
-    assert young_at_start, "no collection at all during the parse"
-    assert max(young_at_start) < 4 * _YOUNG_EVERY, young_at_start
+    assert len(specs) == n and specs[-1].shape == (1,)
+    assert len({id(spec.shape) for spec in specs}) == 1  # one tuple for the one shape
+    assert collections in ([], [0]), collections  # at most the one that follows the pause
+    assert young < 100 and moved_up < 100, (young, moved_up)
