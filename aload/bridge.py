@@ -4,9 +4,9 @@ The loop side (``pump``) moves pairs, or whole units whose tensors the thread cu
 small deque; the thread side (``_take_run``) takes them without a lock while there are any (deque
 operations are atomic) and waits on a ``threading.Condition`` only when there are none: the lock
 per pair cost ~5 us of each side's time. The thread hands a unit's tensors out a run at a time
-(``__iter__``). The loop is told when the deque has room again (once it is half empty, so a busy consumer
-costs few cross-thread wake-ups) and when the thread is starving, which lets the reader tell a
-consumer that holds tensors from one that is merely slow.
+(``__iter__``). The loop is told when the deque has room again (once it is half empty, so a busy
+consumer costs few cross-thread wake-ups) and when the thread is starving, which lets the reader
+tell a consumer that holds tensors from one that is merely slow.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def make_plan(
     The cyclic collector is paused meanwhile (``gc_paused``): each ``Item`` is untracked, but
     still counted as it is made, and 20,000 of them set off ~28 collections of the youngest
     generation, which step the process towards its next full one (in a fresh process, its first:
-    ~170 ms holding the GIL in the middle of the load)."""
+    112-187 ms holding the GIL, in the middle of the load)."""
     with gc_paused:
         return _make_plan(ckpt, names, dest, chunk_bytes, read_all, run_bytes)
 
