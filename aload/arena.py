@@ -3,8 +3,7 @@
 A unit is read into a ``Lease``: a region of the ``Arena`` (one buffer of the byte budget,
 allocated once and reused, so pages are faulted in once per load instead of once per tensor), a
 fresh allocation outside it, or a view of a mapped file. Its tensors are views of that memory,
-cut from it on whichever thread consumes them: one ``as_strided`` call each (``UnitView``,
-``cut``), or a run of them at once (``run_at``).
+cut from it a run at a time (``UnitView``, ``run_at``) on whichever thread consumes them.
 """
 
 from __future__ import annotations
@@ -133,19 +132,15 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 class UnitView:
-    """Typed views of one unit's buffer, one per dtype, from which each tensor is a single
-    ``as_strided``: every torch call releases and retakes the GIL, and with the loader's thread
-    busy each one can wait, so a tensor costs one call instead of three."""
+    """Typed views of one unit's buffer, one per dtype, from which a run of tensors is cut by one
+    ``split_with_sizes`` (``run_at``): every torch call releases and retakes the GIL, and with the
+    loader's thread busy each one can wait."""
 
     __slots__ = ("base", "typed")
 
     def __init__(self, base: torch.Tensor) -> None:
         self.base = base
         self.typed: dict[torch.dtype, torch.Tensor] = {}
-
-    def tensor(self, item: Item) -> torch.Tensor:
-        spec = item.spec
-        return self._typed(spec).as_strided(spec.shape, _strides(spec.shape), item.offset // spec.itemsize)
 
     def _typed(self, spec: TensorSpec) -> torch.Tensor:
         dtype = spec.torch_dtype
@@ -165,37 +160,16 @@ class UnitView:
         return collections.deque(self._typed(spec)[lo : lo + sum(sizes)].split_with_sizes(sizes))
 
 
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = _STRIDES.get(shape)
-    if strides is None:
-        if len(_STRIDES) >= 4096:  # checkpoints repeat a handful of shapes; keep it bounded
-            _STRIDES.clear()
-        strides = _STRIDES[shape] = _contiguous_strides(shape)
-    return strides
-
-
-_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], 1
-    for dim in reversed(shape):
-        out.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(out))
-
-
-def cut(unit: Unit, view: UnitView | None, item: Item) -> torch.Tensor:
-    """The tensor of ``item``: its destination when it was read straight in, else a view of the
-    unit's buffer (from any thread: nothing here touches the reader)."""
+def _uncut(unit: Unit, item: Item) -> torch.Tensor:
+    """The tensor of ``item`` where none is cut from a buffer: its destination when it was read
+    straight in, else a new empty one (a zero-size tensor owns no bytes, and holding it holds no
+    buffer alive)."""
     if unit.dest is not None:
         return unit.dest
     if item.dest is not None:
         return item.dest
     spec = item.spec
-    if view is None or spec.nbytes == 0:  # zero-size tensors own no bytes
-        return torch.empty(spec.shape, dtype=spec.torch_dtype)
-    return view.tensor(item)
+    return torch.empty(spec.shape, dtype=spec.torch_dtype)
 
 
 #: Tensors of a unit cut at once, at most (``run_at``): one ``split_with_sizes`` for the run instead
@@ -206,7 +180,8 @@ CUT_RUN = 256
 
 def run_at(unit: Unit, view: UnitView | None, i: int) -> tuple[collections.deque[tuple[str, torch.Tensor]], int]:
     """The (name, tensor) pairs of the unit's delivered items in a run from item ``i`` on, each
-    tensor what ``cut`` gives, and the index of the item after the run. A run is at most
+    tensor a view of the unit's buffer or what ``_uncut`` gives, and the index of the item after
+    the run. A run is at most
     ``CUT_RUN`` items of one dtype, cut from the buffer at once; a consumer takes its pairs with
     ``popleft`` (a C call, where a generator's step per tensor was Python), so that nothing here
     holds a pair once it is handed out and a unit's memory goes back once the consumer has
@@ -215,7 +190,7 @@ def run_at(unit: Unit, view: UnitView | None, i: int) -> tuple[collections.deque
     n = len(items)
     if unit.dest is not None or unit.scatter or view is None:
         j = min(i + CUT_RUN, n)
-        return collections.deque((item.name, cut(unit, view, item)) for item in items[i:j] if not item.skip), j
+        return collections.deque((item.name, _uncut(unit, item)) for item in items[i:j] if not item.skip), j
     dtype, j = items[i].spec.dtype, i + 1
     while j < n and j - i < CUT_RUN and items[j].spec.dtype == dtype:
         j += 1
@@ -227,8 +202,8 @@ def run_at(unit: Unit, view: UnitView | None, i: int) -> tuple[collections.deque
         if item.skip:
             continue
         spec = item.spec
-        if not spec.nbytes:  # owns no bytes, as ``cut`` gives it: holds no buffer alive
-            piece = cut(unit, view, item)
+        if not spec.nbytes:  # owns no bytes: holds no buffer alive
+            piece = _uncut(unit, item)
         elif len(spec.shape) != 1:
             piece = piece.view(spec.shape)
         out.append((item.name, piece))

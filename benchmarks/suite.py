@@ -429,21 +429,18 @@ def _paired(rows: list[dict[str, Any]], scenario: str, loader: str, over_dd: boo
     loaders 6.0-7.5 GB/s in one repetition, 4.9-6.1 in the next), and the fastest of seven peers'
     medians is the highest of seven noisy figures."""
     by_rep: dict[int, dict[str, float]] = {}
+    dd_by_rep: dict[int, float] = {}
     for r in rows:
         if r["scenario"] == scenario:
-            rep = by_rep.setdefault(r.get("rep", 0), {})
-            rep[r["loader"]] = r["gbps"]
+            by_rep.setdefault(r.get("rep", 0), {})[r["loader"]] = r["gbps"]
             if r.get("dd_gbps"):
-                rep["(dd)"] = r["dd_gbps"]
+                dd_by_rep[r.get("rep", 0)] = r["dd_gbps"]
     got = []
-    for rep in by_rep.values():
-        peers = [v for k, v in rep.items() if not k.startswith(("aload", "("))]
-        if over_dd:
-            over = [rep["(dd)"]] if "(dd)" in rep else []
-        else:
-            over = peers
-        if loader in rep and over:
-            got.append(rep[loader] / max(over))
+    for rep, gbps in by_rep.items():
+        peers = [v for k, v in gbps.items() if not k.startswith("aload")]
+        over = dd_by_rep.get(rep) if over_dd else max(peers, default=None)
+        if loader in gbps and over:
+            got.append(gbps[loader] / over)
     if len(got) < 2:
         return ""
     return f" [per repetition {statistics.median(got):.2f}x ({min(got):.2f}-{max(got):.2f})]"
