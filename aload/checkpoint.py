@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import Any, NoReturn, TypeVar
 
 from ._json import loads_index
-from ._threads import Pacer, paced
+from ._threads import Pacer, hand_back, paced
 from .errors import CheckpointError
 from .format import TensorSpec, header_length, parse_header
 from .sources import Source, Store, import_store, open_store
@@ -257,7 +257,7 @@ async def _read_shards(store: Store, names: list[str], ahead: ReadAhead | None =
         shards.append(await _parse_shard(store, name, src, size, raw))
         if ahead is not None:
             ahead.shard(src, shards[-1])
-        await asyncio.sleep(0)
+        await hand_back()
     return shards
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._threads import PAUSE_AFTER_S
+from ._threads import PAUSE_AFTER_S, hand_back
 from .arena import ARENA, MAPPED, OUTSIDE, Arena, Lease, UnitView, byte_view, host_array, prefault, run_at
 from .direct import ALIGN
 from .errors import UsageError
@@ -364,7 +364,7 @@ class Reader:
                     self.account(unit, run[0][1].nbytes, 1)
                     yield run.popleft()  # not held here once handed out
                     if clock() >= due:
-                        await asyncio.sleep(0)
+                        await hand_back()
                         due = clock() + PAUSE_AFTER_S
             del base
             due = clock() + PAUSE_AFTER_S  # the wait for the next unit let the loop run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ import uvloop
 
 import aload
 from aload import stages as S
+from aload._threads import PAUSE_AFTER_S
 from aload.local import LocalStore
 
 from .conftest import LOOP_BLOCK_LIMIT_S, LoopWatchdog, collect, llama_like
@@ -222,6 +224,37 @@ async def test_an_async_for_over_a_read_unit_lets_other_tasks_run(write: Callabl
     finally:
         task.cancel()
     assert len(seen) == 4000 and len(set(seen)) > 1  # the other task ran mid-unit
+
+
+async def test_a_task_a_timer_wakes_runs_in_the_streams_next_pause(write: Callable[..., Path]) -> None:
+    """A consumer on the loop that takes 0.25 ms a tensor: the stream hands the loop back after
+    each ~1 ms (at most 4 tensors), and a task whose short sleep ended meanwhile runs in that
+    pause, not the one after (a pause of ``asyncio.sleep(0)`` let 5-8 tensors go by)."""
+    tensors = {f"t{i:03d}": torch.full((16,), float(i)) for i in range(200)}  # 64 B each, one unit
+    path = write(tensors)
+    per_tensor_s = 0.00025
+    consumed = 0
+    gaps: list[int] = []
+
+    async def sleeper() -> None:
+        while True:
+            at = consumed
+            await asyncio.sleep(0.0001)
+            gaps.append(consumed - at)
+
+    task = asyncio.ensure_future(sleeper())
+    try:
+        async with aload.stream(path) as s:
+            async for _name, _t in s:
+                end = time.perf_counter() + per_tensor_s
+                while time.perf_counter() < end:
+                    pass
+                consumed += 1
+            assert s.stats.reads == 1  # one unit: no wait for a read between two tensors
+    finally:
+        task.cancel()
+    assert consumed == 200 and sum(gaps) > 150  # it woke throughout
+    assert max(gaps) <= math.ceil(PAUSE_AFTER_S / per_tensor_s)
 
 
 async def test_tensor_larger_than_budget_is_delivered_alone(write: Callable[..., Path]) -> None:
