@@ -293,6 +293,18 @@ async def test_buffers_are_recycled_not_overwritten_while_alive(write: Callable[
     assert torch.equal(kept["layers.0.w"], tensors["layers.0.w"][10:20])
 
 
+async def test_time_to_first_tensor_counts_from_the_streams_start(write: Callable[..., Path]) -> None:
+    """The header's parse and the plan come before the first tensor, and count: the clock starts
+    when the stream is made, as ``load``'s does when it is called."""
+    path = write(big_checkpoint(n=2))
+    s = aload.stream(path)
+    await asyncio.sleep(0.05)
+    async with s:
+        async for _name, _t in s:
+            pass
+    assert s.stats.ttft_s is not None and s.stats.ttft_s >= 0.05
+
+
 async def test_early_exit_closes_reads_and_files(write: Callable[..., Path]) -> None:
     path = write(big_checkpoint())
     async with aload.stream(path, max_inflight_bytes=4 * MiB) as s:
