@@ -16,7 +16,7 @@ from typing import Any
 from ._threads import run_in_thread
 from .local import cached_share
 from .pipeline import stream
-from .reader import Progress
+from .reader import Progress, first_tensor
 
 
 def read_status(field_name: str) -> int:
@@ -109,6 +109,8 @@ async def bench_stream(
         "seconds": seconds,
         "gbps": st.bytes / seconds / 1e9 if seconds > 0 else 0.0,
         "ttft_s": st.ttft_s,
+        "opened_s": st.opened_s,
+        "planned_s": st.planned_s,
         "cpu_s": time.process_time() - cpu0,
         "cached_at_start": cached,
         "verified_shards": st.verified_shards,
@@ -131,7 +133,7 @@ async def sweep(
 
 
 def describe(row: dict[str, Any]) -> str:
-    ttft = f"{row['ttft_s'] * 1e3:.1f} ms" if row.get("ttft_s") is not None else "-"
+    ttft = first_tensor(row.get("ttft_s"), row.get("opened_s"), row.get("planned_s"))
     return (
         f"{row['gbps']:.2f} GB/s ({row['bytes'] / 1e9:.3f} GB, {row['tensors']} tensors in {row['seconds']:.3f} s); "
         f"first tensor {ttft}; peak memory +{row['peak_rss_delta_bytes'] / 2**20:.0f} MiB RSS "

@@ -106,6 +106,8 @@ async def _load(args: argparse.Namespace) -> int:
             "seconds",
             "gbps",
             "ttft_s",
+            "opened_s",
+            "planned_s",
             "peak_inflight_bytes",
             "budget_wait_s",
             "verified_shards",

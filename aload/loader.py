@@ -25,7 +25,7 @@ from .errors import AloadError, LoadError, UsageError, add_note
 from .install import Hook, Installed, Loader
 from .integrity import Manifest
 from .pipeline import TensorStream
-from .reader import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, Progress
+from .reader import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, Progress, first_tensor
 from .stages import Stage
 
 
@@ -47,12 +47,13 @@ class LoadReport:
     missing: list[str]
     unexpected: list[str]
     verified_shards: int = 0  # shards whose SHA-256 matched (``verify=``)
+    opened_s: float | None = None  # the checkpoint open (index and headers parsed), from the call
+    planned_s: float | None = None  # the plan made, from the call (the model's walk comes first)
 
     def summary(self) -> str:
-        ttft = f"{self.ttft_s * 1e3:.1f} ms" if self.ttft_s is not None else "-"
         return (
             f"{self.tensors} tensors, {self.bytes / 1e9:.3f} GB in {self.seconds:.3f} s "
-            f"({self.gbps:.2f} GB/s); first tensor {ttft}; peak in flight "
+            f"({self.gbps:.2f} GB/s); first tensor {first_tensor(self.ttft_s, self.opened_s, self.planned_s)}; peak in flight "
             f"{self.peak_inflight_bytes / 2**20:.1f} MiB; load {self.load_s:.3f} s, "
             f"post-processing {self.postprocess_s:.3f} s; missing {len(self.missing)}, "
             f"unexpected {len(self.unexpected)}"
@@ -158,6 +159,8 @@ async def load(
         missing=done.missing,
         unexpected=done.unexpected,
         verified_shards=stats.verified_shards,
+        opened_s=stats.opened_s,
+        planned_s=stats.planned_s,
     )
 
 

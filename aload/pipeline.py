@@ -97,6 +97,7 @@ class TensorStream:
         elif self._ahead is not None:
             for shard in self.checkpoint.shards:
                 self._ahead.shard(self.checkpoint.store.source(shard.name), shard)
+        opened = time.perf_counter()
         # Coalesced units stay well under the budget, so several are in flight at once.
         group = min(self._chunk_bytes, max(1, self._budget // 4))
         hashes = None
@@ -114,6 +115,7 @@ class TensorStream:
             self.checkpoint.store, len(self.checkpoint.specs) >= _PLAN_INLINE_TENSORS, make_plan, *args
         )
         self.reader = Reader(plan, hashes=hashes, **self._reader_args)
+        self.reader.stats.opened_s, self.reader.stats.planned_s = opened - self._t0, time.perf_counter() - self._t0
         it: AsyncIterator[Pair] = self.reader.items()
         self._chain = [it]
         for stage in self._stages:

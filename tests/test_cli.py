@@ -58,6 +58,7 @@ def test_bench_prints_figures_and_writes_rows(tmp_path: Path) -> None:
     done = run("bench", str(path), "--json", str(out), "--budget", "65536", "--repeat", "2")
     assert done.returncode == 0, done.stderr
     assert "run 2: " in done.stdout and "loop lateness p50" in done.stdout
+    assert "ms (headers parsed at " in done.stdout  # what came before the first tensor
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2
     row = rows[0]
@@ -66,6 +67,8 @@ def test_bench_prints_figures_and_writes_rows(tmp_path: Path) -> None:
         "seconds",
         "gbps",
         "ttft_s",
+        "opened_s",
+        "planned_s",
         "peak_anon_delta_bytes",
         "peak_rss_delta_bytes",
         "loop_lag_p99_ms",

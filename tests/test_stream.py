@@ -295,14 +295,17 @@ async def test_buffers_are_recycled_not_overwritten_while_alive(write: Callable[
 
 async def test_time_to_first_tensor_counts_from_the_streams_start(write: Callable[..., Path]) -> None:
     """The header's parse and the plan come before the first tensor, and count: the clock starts
-    when the stream is made, as ``load``'s does when it is called."""
+    when the stream is made, as ``load``'s does when it is called; the stats say when the
+    checkpoint was open and when the plan was made."""
     path = write(big_checkpoint(n=2))
     s = aload.stream(path)
     await asyncio.sleep(0.05)
     async with s:
         async for _name, _t in s:
             pass
-    assert s.stats.ttft_s is not None and s.stats.ttft_s >= 0.05
+    st = s.stats
+    assert st.ttft_s is not None and st.opened_s is not None and st.planned_s is not None
+    assert 0.05 <= st.opened_s <= st.planned_s <= st.ttft_s  # what came first, in order
 
 
 async def test_early_exit_closes_reads_and_files(write: Callable[..., Path]) -> None:
