@@ -1,7 +1,7 @@
 """Where the event loop is late during one load, and why: the stall sampler the lateness notes in
 docs/benchmarks.md come from.
 
-    python benchmarks/loop_stalls.py CHECKPOINT_DIR [--load-weights | --stream] [--cold] [--late-ms 3]
+    python benchmarks/loop_stalls.py CHECKPOINT_DIR [--load-weights | --stream] [--cold | --partial] [--late-ms 3]
         [--source URL [--preload]]
 
 ``--source`` loads the same checkpoint from a URL instead (``http(s)://`` or ``s3://``, with the
@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.suite import drop_cache, preallocated_model, warm_cache
+from benchmarks.suite import PARTIAL_EVICT, drop_cache, evict_head, preallocated_model, warm_cache
 
 #: A pool thread waiting for work (``concurrent.futures.thread._worker`` at its queue ``get``).
 _IDLE = ("_worker", "thread.py")
@@ -54,6 +54,11 @@ def main() -> None:
     ap.add_argument("--load-weights", action="store_true", help="through a vLLM-style load_weights")
     ap.add_argument("--stream", action="store_true", help="aload.stream on the loop, as aload bench does")
     ap.add_argument("--cold", action="store_true", help="drop the files from the page cache first")
+    ap.add_argument(
+        "--partial",
+        action="store_true",
+        help=f"the suite's partial scenario: the first {PARTIAL_EVICT:.0%} of each file evicted",
+    )
     ap.add_argument("--late-ms", type=float, default=3.0)
     ap.add_argument("--source", help="load from this URL (the folder gives the model's shapes)")
     ap.add_argument("--preload", action="store_true", help="aload.preload() before the load")
@@ -65,6 +70,8 @@ def main() -> None:
 
     model, params = preallocated_model(a.folder)
     drop_cache(a.folder) if a.cold else warm_cache(a.folder)
+    if a.partial:
+        evict_head(a.folder)
     if a.preload:
         aload.preload()
 
