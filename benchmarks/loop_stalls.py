@@ -51,10 +51,12 @@ def idle(frame: Any) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", type=Path)
-    ap.add_argument("--load-weights", action="store_true", help="through a vLLM-style load_weights")
-    ap.add_argument("--stream", action="store_true", help="aload.stream on the loop, as aload bench does")
-    ap.add_argument("--cold", action="store_true", help="drop the files from the page cache first")
-    ap.add_argument(
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--load-weights", action="store_true", help="through a vLLM-style load_weights")
+    how.add_argument("--stream", action="store_true", help="aload.stream on the loop, as aload bench does")
+    cache = ap.add_mutually_exclusive_group()
+    cache.add_argument("--cold", action="store_true", help="drop the files from the page cache first")
+    cache.add_argument(
         "--partial",
         action="store_true",
         help=f"the suite's partial scenario: the first {PARTIAL_EVICT:.0%} of each file evicted",
