@@ -59,7 +59,7 @@ def main() -> None:
     cache.add_argument(
         "--partial",
         action="store_true",
-        help=f"the suite's partial scenario: the first {PARTIAL_EVICT:.0%} of each file evicted",
+        help=f"the suite's partial scenario: the first {PARTIAL_EVICT * 100:.0f}%% of each file evicted",
     )
     ap.add_argument("--late-ms", type=float, default=3.0)
     ap.add_argument("--source", help="load from this URL (the folder gives the model's shapes)")

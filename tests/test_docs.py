@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,3 +53,16 @@ def test_doc_examples_run(doc: Path, checkpoint: str) -> None:
             exec(compile(block, f"{doc.name}[{i}]", "exec"), namespace)  # blocks share a namespace, in order
     finally:
         sys.path.remove(str(ROOT))
+
+
+def scripts_with_options() -> list[Path]:
+    return sorted(p for d in ("benchmarks", "examples") for p in (ROOT / d).glob("*.py") if "argparse" in p.read_text())
+
+
+@pytest.mark.parametrize("script", scripts_with_options(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_script_help_prints_its_usage(script: Path) -> None:
+    """The documented way into each script works: ``--help`` printed a traceback where an option's
+    help held a bare ``%`` (loop_stalls.py's --partial)."""
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("usage:"), out.stdout[:500]
