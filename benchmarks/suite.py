@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.metadata
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -516,6 +518,38 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     return made
 
 
+def machine() -> dict[str, Any]:
+    """What ran the suite: the same code gave 0.24 s and 1.29 s for one loader on two hosts of
+    this project, so a row means little without the host it came from."""
+    info: dict[str, Any] = {"cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        first = dict(ln.split(":", 1) for ln in cpuinfo.split("\n\n")[0].splitlines() if ":" in ln)
+        first = {k.strip(): v.strip() for k, v in first.items()}
+        info["cpu"] = f"{first['model name']} (family {first.get('cpu family', '?')}, model {first.get('model', '?')})"
+        meminfo = Path("/proc/meminfo").read_text().split()
+        info["memory_gib"] = round(int(meminfo[meminfo.index("MemTotal:") + 1]) / (1 << 20), 1)
+    except (OSError, KeyError, ValueError):
+        pass
+    for pkg in ("torch", "safetensors", "runai-model-streamer", "fastsafetensors"):
+        try:
+            info[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    try:
+        git = ["git", "-C", str(HERE.parent)]
+        info["aload"] = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        if subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout:
+            info["aload"] += " (with uncommitted changes)"
+    except OSError:
+        pass
+    return info
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,4,8", help="GiB, comma separated")
@@ -623,7 +657,10 @@ def main() -> None:
         "".join(json.dumps({k: v for k, v in r.items() if k != "mem_trace"}) + "\n" for r in rows)
     )
     (a.out / "traces.json").write_text(json.dumps([r for r in rows if "mem_trace" in r]))
-    report = "# aload benchmark suite\n\n" + "\n".join(f"- `{k}`: {v}" for k, v in LOADERS.items() if k in loaders)
+    host = machine()
+    (a.out / "machine.json").write_text(json.dumps(host, indent=1) + "\n")
+    report = "# aload benchmark suite\n\n" + "Host: " + ", ".join(f"{k} {v}" for k, v in host.items()) + "\n\n"
+    report += "\n".join(f"- `{k}`: {v}" for k, v in LOADERS.items() if k in loaders)
     report += "\n\ndd of the same files (warm; before the runs and before each warm repetition): " + ", ".join(
         f"{k}: {statistics.median(v):.2f} GB/s ({min(v):.2f}-{max(v):.2f})" for k, v in dd.items()
     )
@@ -631,7 +668,10 @@ def main() -> None:
     (a.out / "report.md").write_text(report)
     made = plots(rows, a.out)
     print("\n" + report)
-    print("written: " + ", ".join(str(p) for p in [a.out / "rows.jsonl", a.out / "report.md", *made]))
+    print(
+        "written: "
+        + ", ".join(str(p) for p in [a.out / "rows.jsonl", a.out / "machine.json", a.out / "report.md", *made])
+    )
 
 
 if __name__ == "__main__":
