@@ -38,7 +38,10 @@ READ_MODES = ("map", "shared", "pread")
 READ_ENV = "ALOAD_READ"
 #: Pieces copied out of a file that sits in the page cache: one ``memcpy`` per piece, which glibc
 #: does with non-temporal stores past its threshold (99 MiB on the VM measured: 11 GB/s per thread
-#: against ~6 below it and ~5 for a ``preadv``).
+#: against ~6 below it and ~5 for a ``preadv``). On the host since 2026-12-02 the threshold is
+#: 288 MiB, so these pieces get plain stores there, at memory's speed like every other copy: 4 GiB
+#: warm, one process, 256 MiB pieces 205-264 ms a load, 64 MiB 212-249, 32 MiB 229-276 (five of
+#: six loads each; in the sixth of each, the host stalled for 1.7-2.3 s).
 WARM_PIECE_BYTES = 256 << 20
 #: Smaller reads of bytes in the page cache go by ``preadv``, and from a file all in the page
 #: cache, smaller tensors with a destination are read in runs by one scattering ``preadv``
