@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import importlib.metadata
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -519,32 +517,19 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 
 
 def machine() -> dict[str, Any]:
-    """What ran the suite: the same code gave 0.24 s and 1.29 s for one loader on two hosts of
-    this project, so a row means little without the host it came from."""
-    info: dict[str, Any] = {"cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        first = dict(ln.split(":", 1) for ln in cpuinfo.split("\n\n")[0].splitlines() if ":" in ln)
-        first = {k.strip(): v.strip() for k, v in first.items()}
-        info["cpu"] = f"{first['model name']} (family {first.get('cpu family', '?')}, model {first.get('model', '?')})"
-        meminfo = Path("/proc/meminfo").read_text().split()
-        info["memory_gib"] = round(int(meminfo[meminfo.index("MemTotal:") + 1]) / (1 << 20), 1)
-    except (OSError, KeyError, ValueError):
-        pass
-    for pkg in ("torch", "safetensors", "runai-model-streamer", "fastsafetensors"):
-        try:
-            info[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            pass
+    """What ran the suite (``aload.bench.host``, the peers' versions too) and aload's commit."""
+    from aload.bench import host
+
+    info = host(("aload", "torch", "safetensors", "runai-model-streamer", "fastsafetensors"))
     try:
         git = ["git", "-C", str(HERE.parent)]
-        info["aload"] = subprocess.run(
+        info["aload_commit"] = subprocess.run(
             [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip()
         if subprocess.run(
             [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
         ).stdout:
-            info["aload"] += " (with uncommitted changes)"
+            info["aload_commit"] += " (with uncommitted changes)"
     except OSError:
         pass
     return info

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +77,9 @@ def test_bench_prints_figures_and_writes_rows(tmp_path: Path) -> None:
         "cpu_s",
     ):
         assert key in row
+    # what it ran on, so that rows from two hosts are not compared as one
+    assert row["host"]["cores"] == os.cpu_count() and row["host"]["python"] == platform.python_version()
+    assert row["host"]["torch"] == torch.__version__
 
 
 def test_bench_drops_each_tensor_before_asking_for_the_next(tmp_path: Path) -> None:
