@@ -35,6 +35,12 @@ def read_status(field_name: str) -> int:
     return 0
 
 
+#: Environment variables that change how fast a load runs, named in ``host()`` where set: aload's
+#: read mode, and glibc's tunables (its threshold for non-temporal stores changed aload's warm
+#: loads here: docs/benchmarks.md, "This host").
+HOST_ENV = ("ALOAD_READ", "GLIBC_TUNABLES")
+
+
 @functools.cache
 def _host(packages: tuple[str, ...]) -> dict[str, Any]:
     info: dict[str, Any] = {"cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
@@ -54,11 +60,15 @@ def _host(packages: tuple[str, ...]) -> dict[str, Any]:
             info[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
             pass
+    for var in HOST_ENV:  # settings that change a load's speed, where set
+        if os.environ.get(var):
+            info[var] = os.environ[var]
     return info
 
 
 def host(packages: tuple[str, ...] = ("aload", "torch", "safetensors")) -> dict[str, Any]:
-    """What a figure was measured on: cores, CPU, memory, kernel, Python and ``packages``' versions.
+    """What a figure was measured on: cores, CPU, memory, kernel, Python, ``packages``' versions and
+    the ``HOST_ENV`` variables that are set.
     This project's own host changed under it, and the same loads ran 3-7x as fast on the new one
     (``safe_open`` on 20,000 tensors 0.27 s against 0.93-1.84): a row means little without it."""
     return dict(_host(packages))

@@ -80,6 +80,25 @@ def test_bench_prints_figures_and_writes_rows(tmp_path: Path) -> None:
     # what it ran on, so that rows from two hosts are not compared as one
     assert row["host"]["cores"] == os.cpu_count() and row["host"]["python"] == platform.python_version()
     assert row["host"]["torch"] == torch.__version__
+    assert "GLIBC_TUNABLES" not in row["host"]  # named only where set
+
+
+def test_bench_names_the_settings_that_change_its_speed(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(16)}, str(path))
+    out = tmp_path / "rows.jsonl"
+    tunable = "glibc.cpu.x86_non_temporal_threshold=0x1000000"
+    env = {**os.environ, "GLIBC_TUNABLES": tunable, "ALOAD_READ": "pread"}
+    done = subprocess.run(
+        [sys.executable, "-m", "aload.cli", "bench", str(path), "-q", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    host = json.loads(out.read_text())["host"]
+    assert host["GLIBC_TUNABLES"] == tunable and host["ALOAD_READ"] == "pread"
 
 
 def test_bench_drops_each_tensor_before_asking_for_the_next(tmp_path: Path) -> None:
