@@ -18,15 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._threads import run_in_thread
-from .local import cached_share
+from .local import READ_ENV, cached_share
 from .pipeline import stream
 from .reader import Progress, first_tensor
 
 
-def read_status(field_name: str) -> int:
-    """A ``/proc/self/status`` field in bytes (0 where there is no /proc)."""
+def read_status(field_name: str, path: str = "/proc/self/status") -> int:
+    """A field of ``/proc/self/status`` (or of ``path``, e.g. ``/proc/meminfo``) in bytes; 0 where
+    there is no such file or field."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(field_name + ":"):
                     return int(line.split()[1]) * 1024
@@ -38,7 +39,7 @@ def read_status(field_name: str) -> int:
 #: Environment variables that change how fast a load runs, named in ``host()`` where set: aload's
 #: read mode, and glibc's tunables (its threshold for non-temporal stores changed aload's warm
 #: loads here: docs/benchmarks.md, "This host").
-HOST_ENV = ("ALOAD_READ", "GLIBC_TUNABLES")
+HOST_ENV = (READ_ENV, "GLIBC_TUNABLES")
 
 
 @functools.cache
@@ -52,9 +53,10 @@ def _host(packages: tuple[str, ...]) -> dict[str, Any]:
             info["cpu"] = (
                 f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
             )
-        info["memory_gib"] = round(_meminfo("MemTotal") / 2**30, 1)
     except OSError:
         pass
+    if memory := read_status("MemTotal", "/proc/meminfo"):
+        info["memory_gib"] = round(memory / 2**30, 1)
     for pkg in packages:
         try:
             info[pkg] = importlib.metadata.version(pkg)
@@ -71,15 +73,6 @@ def host(packages: tuple[str, ...] = ("aload", "torch", "safetensors")) -> dict[
     info = dict(_host(packages))
     info.update((var, os.environ[var]) for var in HOST_ENV if os.environ.get(var))  # as they are now
     return info
-
-
-def _meminfo(field_name: str) -> int:
-    """A ``/proc/meminfo`` field in bytes (0 where it is missing)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 @dataclass
