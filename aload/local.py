@@ -1,8 +1,9 @@
 """Local files: a ``.safetensors`` file or a folder of them, read in a small thread pool.
 
-A file in the page cache is copied out of (or handed out as views of) a private mapping; one on
-disk is read with ``O_DIRECT`` past the page cache, or through it (``read="shared"``), as the
-read modes below say; which is which is decided per unit from the page cache's windows.
+A file in the page cache is read into its destinations by ``preadv`` (or handed out as views of
+a private mapping, where there is none); one on disk is read with ``O_DIRECT`` past the page
+cache, or through it (``read="shared"``), as the read modes below say; which is which is
+decided per unit from the page cache's windows.
 """
 
 from __future__ import annotations
@@ -36,34 +37,27 @@ T = TypeVar("T")
 READ_MODES = ("map", "shared", "pread")
 #: The environment variable that sets the read mode of loads that do not pass ``read``.
 READ_ENV = "ALOAD_READ"
-#: Pieces copied out of a file that sits in the page cache: one ``memcpy`` per piece, which glibc
-#: does with non-temporal stores past its threshold (99 MiB on the VM measured: 11 GB/s per thread
-#: against ~6 below it and ~5 for a ``preadv``). On the host since 2026-12-02 the threshold is
-#: 288 MiB, so these pieces get plain stores there, at memory's speed like every other copy: 4 GiB
-#: warm, one process, 256 MiB pieces 205-264 ms a load, 64 MiB 212-249, 32 MiB 229-276 (five of
-#: six loads each; in the sixth of each, the host stalled for 1.7-2.3 s).
+#: Pieces of a tensor with a destination in a file that sits in the page cache: large, for fewer
+#: trips to the event loop; each is read in steps of ``PREAD_STEP_BYTES`` across the read threads.
 WARM_PIECE_BYTES = 256 << 20
-#: Smaller reads of bytes in the page cache go by ``preadv``, and from a file all in the page
-#: cache, smaller tensors with a destination are read in runs by one scattering ``preadv``
-#: (``scatter_below``): below glibc's threshold a ``memcpy`` gains nothing over the kernel's
-#: copy, and mapping the pages in and out again costs more. On the VM measured, a 512 MB file in
-#: tensors of one size, 2 threads, warm: 1 MiB tensors 5.0 GB/s by ``preadv`` against 3.9 out of
-#: the mapping, 4 MiB 8.4 vs 7.5, 16 MiB 10.4 vs 10.3, 64 MiB 9.3 vs 10.2, 128 MiB 9.2 vs 17.3.
-COPY_OUT_MIN_BYTES = 16 << 20
+#: Bytes in the page cache with a destination are read by ``preadv`` (the kernel's copy, straight
+#: from the page cache into the destination) in steps of this size across the read threads, and
+#: from a file all in the page cache, smaller tensors with a destination are read in runs by one
+#: scattering ``preadv`` (``scatter_below``). Copying out of the file's mapping instead (one
+#: ``memcpy`` per piece, then its pages dropped from the process) pays a fault per few pages,
+#: which on the host since 2026-12-02 (KVM) is dear. ``benchmarks/local_reads.py CKPT --scenarios
+#: warm``, 2 threads, medians of 3: 1, 4, 8 GiB by ``preadv`` in 16 MiB steps 14.4, 26.3, 17.8
+#: GB/s, out of the mapping in 256 MiB pieces 11.9, 15.5, 13.8. Suite children, warm, 3 rounds
+#: alternating: 4 GiB 231-306 ms a load against 314-454, 8 GiB 503-576 against 794-884. On the VM
+#: measured before, glibc's non-temporal stores (copies past 99 MiB) made the mapping's ``memcpy``
+#: the faster (11 GB/s a thread against ~5 for ``preadv``).
+PREAD_STEP_BYTES = 16 << 20
 #: Small tensors of a file all in the page cache, without a destination (a model's own
 #: ``load_weights``), are handed out in mapped views of up to this many bytes (at most a quarter of
 #: the budget), not ``chunk_bytes``: nothing is read, and each unit cost the consumer's thread a
 #: wait for the event loop. Qwen2.5-0.5B-shaped, warm, through ``load_weights``, in one process:
 #: 16 MiB 272-298 ms a load, 64 MiB 252-267, 128 MiB 238-253, 256 MiB 247-257.
 MAPPED_RUN_BYTES = 128 << 20
-#: A large ``memcpy`` whose destination sits a little past its source in the 4 KiB page
-#: (``(dst - src) % 4096`` in ``(0, ALIASED_BYTES)``) stalls on 4K aliasing: each load waits for
-#: a store to an address with the same low 12 bits. With glibc's non-temporal stores (copies
-#: above its threshold, 192 MiB on the VM measured) it ran 2.2-3.1 GB/s at 64-320 bytes, 5.5-5.9
-#: at 384-448, 6.9 at 512 and 8-11 elsewhere. A torch parameter starts 64 bytes into its page, so a
-#: checkpoint whose tensors start at 3,584-4,088 bytes into a page fell in it: such copies go by
-#: ``preadv`` in pieces of ``COPY_OUT_MIN_BYTES`` across the read threads instead.
-ALIASED_BYTES = 512
 
 
 def _path_from_url(url: str) -> str:
@@ -88,10 +82,6 @@ def cached_share(url: str) -> float | None:
         else [path]
     )
     return share_of(files)
-
-
-def _address(buf: memoryview) -> int:
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
 class LocalSource(Source):
@@ -159,15 +149,15 @@ class LocalSource(Source):
             return
         await self._decided()
         cached = self._in_cache(offset, n) or not self._direct
-        if (self._shared and not self._warm) or (cached and n < COPY_OUT_MIN_BYTES):
+        if (self._shared and not self._warm) or (cached and n < PREAD_STEP_BYTES):
             await self._pool.run(pread_into, self._fd, buf, offset, self.url)
-        elif cached and 0 < (_address(buf) - offset) % 4096 < ALIASED_BYTES:
-            fd, step = self._fd, COPY_OUT_MIN_BYTES
+        elif cached:
+            if self._share_at(offset, n) < 1.0:  # the pages on disk asked for at once, not step by step
+                await self._pool.run(self._prefetch, offset, n)
+            fd, step = self._fd, PREAD_STEP_BYTES
             await self._pool.run_all(
                 pread_into, [(fd, buf[o : o + step], offset + o, self.url) for o in range(0, n, step)]
             )
-        elif cached:
-            await self._pool.run(self._copy_out, offset, buf)
         else:
             assert self._direct_pool is not None and self._dio is not None  # _direct: opened with O_DIRECT
             await self._direct_pool.start_from(self._pool)
@@ -259,9 +249,9 @@ class LocalSource(Source):
 
     @property
     def scatter_below(self) -> int:  # type: ignore[override]
-        """Tensors under ``COPY_OUT_MIN_BYTES`` with a destination are read in runs where all of
+        """Tensors under ``PREAD_STEP_BYTES`` with a destination are read in runs where all of
         the file sat in the page cache (a file on disk reads its larger ones with ``O_DIRECT``)."""
-        return COPY_OUT_MIN_BYTES if self._warm else 0
+        return PREAD_STEP_BYTES if self._warm else 0
 
     @property
     def mapped_run_bytes(self) -> int:  # type: ignore[override]
@@ -275,8 +265,8 @@ class LocalSource(Source):
         return self.can_map and (not self._direct or self._in_cache(offset, length))
 
     def piece_bytes(self, chunk_bytes: int, offset: int, length: int, mapped: bool = False) -> int:
-        """Large pieces for bytes in the page cache (a copy, where one ``memcpy`` of a large piece
-        is fastest; the pages it misses are asked for ahead), ``chunk_bytes`` for bytes on disk
+        """Large pieces for bytes in the page cache (each read in steps across the read threads;
+        the pages it misses are asked for ahead), ``chunk_bytes`` for bytes on disk
         (each is split into direct reads). A mapped view is populated in one piece only where all
         of it is cached; the pages it misses are then brought in by several populates at once (in
         one, a view a tenth on disk made a partly evicted 1 GiB load through ``load_weights``
@@ -323,10 +313,6 @@ class LocalSource(Source):
             r = self._residency
             assert r is not None
         return r.share_at(offset, length)
-
-    def _copy_out(self, offset: int, buf: memoryview) -> None:
-        assert self._map is not None
-        self._map.copy_out(offset, buf, cached=self._share_at(offset, len(buf)) == 1.0)
 
     def _check_length(self, offset: int, length: int) -> None:
         assert self._fd is not None

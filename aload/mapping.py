@@ -69,27 +69,6 @@ class FileMapping:
                 self._populate_read = False
         int(arr[first : offset + length : PAGE].max())  # one read per page faults it in
 
-    def copy_out(self, offset: int, buf: memoryview, cached: bool = False) -> None:
-        """``buf`` from the mapping: its pages faulted in (from the disk if need be), copied with
-        one ``memcpy`` (the GIL let go), then dropped from this process. Measured on a 4 GiB
-        checkpoint on this VM, warm, two threads: 13.8-15.6 GB/s against 9.3-9.5 for ``preadv``.
-        ``cached``: the pages were all seen in the page cache, and the copy's own faults map them
-        (only the file's length is checked first). Populating them ahead made a warm 8 GiB load
-        ~5% slower (suite children, alternating, 6 each: 1,036 against 981 ms, 1.92 against 1.85
-        CPU s)."""
-        assert libc is not None
-        n = len(buf)
-        if n == 0:
-            return
-        arr = self.array()
-        if cached:
-            check_length(self._fd, offset, n, self.url)
-        else:
-            self.populate(offset, n)
-        dst = np.frombuffer(buf, dtype=np.uint8)
-        libc.memcpy(dst.ctypes.data, arr.ctypes.data + offset, n)
-        self.release(offset, n)
-
     def release(self, offset: int, length: int) -> None:
         """Drop the whole pages inside the range from this process (neighbours may share the
         pages at its ends); they stay in the page cache."""
