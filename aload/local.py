@@ -85,8 +85,8 @@ def cached_share(url: str) -> float | None:
 
 
 class LocalSource(Source):
-    """A local file read in the store's thread pool. It is opened once and kept open (and mapped,
-    in "map" mode), so a file replaced on disk mid-load is not mixed with its successor."""
+    """A local file read in the store's thread pool. It is opened once and kept open (and mapped at
+    first need, in "map" mode), so a file replaced on disk mid-load is not mixed with its successor."""
 
     def __init__(self, path: str, pool: IOPool, mode: str, direct_pool: IOPool | None = None) -> None:
         self.url = path
