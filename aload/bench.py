@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._threads import run_in_thread
+from ._threads import READ_NICE_ENV, run_in_thread
 from .local import READ_ENV, cached_share
 from .pipeline import stream
 from .reader import Progress, first_tensor
@@ -37,10 +37,10 @@ def read_status(field_name: str, path: str = "/proc/self/status") -> int:
 
 
 #: Environment variables that change how fast a load runs, named in ``host()`` where set: aload's
-#: read mode, and glibc's tunables (its threshold for non-temporal stores changed warm loads
+#: read mode and its read threads' priority, and glibc's tunables (its threshold for non-temporal stores changed warm loads
 #: through ``load_weights`` here, whose ``copy_()`` reads the file's mapping: docs/benchmarks.md,
 #: "This host").
-HOST_ENV = (READ_ENV, "GLIBC_TUNABLES")
+HOST_ENV = (READ_ENV, READ_NICE_ENV, "GLIBC_TUNABLES")
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from ._threads import run_in_thread
+from ._threads import lower_priority, read_nice, run_in_thread
 from .errors import UsageError
 
 T = TypeVar("T")
@@ -248,6 +248,7 @@ class IOPool:
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
+        self._nice = read_nice()  # each thread's priority below the process's (``READ_NICE``)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._starting: asyncio.Future[None] | None = None
@@ -272,7 +273,9 @@ class IOPool:
 
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(self.threads, "aload-io")
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self.threads, "aload-io", initializer=lower_priority, initargs=(self._nice,)
+            )
         return self._executor
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

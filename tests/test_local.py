@@ -9,6 +9,7 @@ import contextlib
 import errno
 import gc
 import os
+import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -300,6 +301,43 @@ async def test_a_read_mode_from_the_environment_is_checked(
             pass
     async with aload.open(path, read="pread") as ckpt:  # an explicit mode is not the environment's
         assert list(ckpt.specs) == ["w"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice per thread is Linux's")
+@pytest.mark.parametrize("said", [None, "0", "4"])
+async def test_read_threads_run_below_the_process_s_priority(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, said: str | None
+) -> None:
+    """The read threads yield the cores to the event loop (``READ_NICE``); the operator can say
+    by how much, or not at all."""
+    tensors = llama_like(hidden=256)
+    path = write(tensors)
+    if said is not None:
+        monkeypatch.setenv("ALOAD_READ_NICE", said)
+    seen: list[int] = []
+    pread_into = local.pread_into
+
+    def recorded(*args: Any) -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        pread_into(*args)
+
+    monkeypatch.setattr(local, "pread_into", recorded)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    async with aload.stream(path, read="pread", chunk_bytes=MiB) as s:
+        got = {name: t.clone() async for name, t in s}
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+    by = {None: 10, "0": 0, "4": 4}[said]
+    assert seen and set(seen) == {min(19, base + by)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the loop's own is untouched
+
+
+async def test_a_read_priority_from_the_environment_is_checked(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write({"w": torch.ones(4)})
+    monkeypatch.setenv("ALOAD_READ_NICE", "-5")
+    with pytest.raises(aload.UsageError, match="ALOAD_READ_NICE must be a whole number from 0 to 19, got '-5'"):
+        await aload.load(nn.Module(), path)
 
 
 async def test_direct_reads_at_unaligned_ranges_give_the_file_s_bytes(tmp_path: Path) -> None:
