@@ -37,9 +37,9 @@ def read_status(field_name: str, path: str = "/proc/self/status") -> int:
 
 
 #: Environment variables that change how fast a load runs, named in ``host()`` where set: aload's
-#: read mode and its read threads' priority, and glibc's tunables (its threshold for non-temporal stores changed warm loads
-#: through ``load_weights`` here, whose ``copy_()`` reads the file's mapping: docs/benchmarks.md,
-#: "This host").
+#: read mode and its read threads' priority, and glibc's tunables (its threshold for non-temporal
+#: stores changed warm loads through ``load_weights`` here, whose ``copy_()`` reads the file's
+#: mapping: docs/benchmarks.md, "This host").
 HOST_ENV = (READ_ENV, READ_NICE_ENV, "GLIBC_TUNABLES")
 
 
