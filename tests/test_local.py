@@ -1,5 +1,6 @@
-"""Local files: a file in the page cache is copied out of its mapping in large pieces; a file on
-disk is read with O_DIRECT (past the page cache) through small aligned buffers. Real files on this
+"""Local files: a file in the page cache is read into its destinations by preadv in steps (or
+handed out as views of its mapping); a file on disk is read with O_DIRECT (past the page cache)
+through small aligned buffers; the read threads run below the process's priority. Real files on this
 machine's filesystem; the file is made cold with fsync + POSIX_FADV_DONTNEED."""
 
 from __future__ import annotations
