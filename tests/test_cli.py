@@ -88,7 +88,7 @@ def test_bench_names_the_settings_that_change_its_speed(tmp_path: Path) -> None:
     save_file({"a": torch.ones(16)}, str(path))
     out = tmp_path / "rows.jsonl"
     tunable = "glibc.cpu.x86_non_temporal_threshold=0x1000000"
-    env = {**os.environ, "GLIBC_TUNABLES": tunable, "ALOAD_READ": "pread"}
+    env = {**os.environ, "GLIBC_TUNABLES": tunable, "ALOAD_READ": "pread", "ALOAD_READ_NICE": "5"}
     done = subprocess.run(
         [sys.executable, "-m", "aload.cli", "bench", str(path), "-q", "--json", str(out)],
         capture_output=True,
@@ -98,7 +98,7 @@ def test_bench_names_the_settings_that_change_its_speed(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     host = json.loads(out.read_text())["host"]
-    assert host["GLIBC_TUNABLES"] == tunable and host["ALOAD_READ"] == "pread"
+    assert host["GLIBC_TUNABLES"] == tunable and host["ALOAD_READ"] == "pread" and host["ALOAD_READ_NICE"] == "5"
 
 
 def test_bench_drops_each_tensor_before_asking_for_the_next(tmp_path: Path) -> None:
