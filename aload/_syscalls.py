@@ -109,13 +109,29 @@ def madvise_in_steps(addr: int, length: int, advice: int, step: int = LOCK_STEP)
 _bounce = threading.local()
 
 
+MADV_HUGEPAGE = 14
+#: A bounce buffer lies in whole huge pages of its own (``MADV_HUGEPAGE``), so that one direct
+#: read into it is one request to the disk. In 4 KiB pages a read is one segment per page that
+#: does not follow the last one in memory, and a virtio disk takes 254 segments a request
+#: (``/sys/block/*/queue/max_segments``): a 1 MiB piece went as two requests whenever its
+#: buffer's pages lay scattered. Suite children, 8 GiB cold, built-in, 3 rounds alternating:
+#: 11,587-13,758 requests of 599-711 KiB on average, 5.9-6.3 s a load; in huge pages 8,187 of
+#: 1,003 KiB, 3.8-3.9 s.
+HUGE = 2 << 20
+
+
 def bounce_buffer(n: int) -> tuple[memoryview, int]:
-    """This thread's page-aligned buffer of at least ``n`` bytes, and its address (kept for the
-    thread's life: one per reader thread)."""
+    """This thread's buffer of at least ``n`` bytes, aligned to ``HUGE`` and asked to be backed by
+    huge pages, and its address (kept for the thread's life: one per reader thread)."""
     got: tuple[memoryview, int] | None = getattr(_bounce, "buf", None)
     if got is None or len(got[0]) < n:
-        m = mmap.mmap(-1, n)
-        got = (memoryview(m), np.frombuffer(m, dtype=np.uint8).ctypes.data)
+        size = -(-n // HUGE) * HUGE
+        m = mmap.mmap(-1, size + HUGE)
+        addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
+        skip = -addr % HUGE
+        if libc is not None:
+            libc.madvise(ctypes.c_void_p(addr + skip), size, MADV_HUGEPAGE)  # refused: 4 KiB pages, as before
+        got = (memoryview(m)[skip : skip + size], addr + skip)
         _bounce.buf = got
     return got
 

@@ -2,8 +2,8 @@
 
 A file on disk is read in whole aligned blocks with ``O_DIRECT`` (past the page cache, as Run:ai's
 streamer does), in pieces of ``DIRECT_PIECE_BYTES``, ``max(concurrency, DIRECT_DEPTH)`` in flight:
-straight into a buffer aligned as the file is, or through a small aligned buffer of each thread and
-copied out.
+straight into a buffer aligned as the file is, or through a small buffer of each thread, in a huge
+page of its own (``bounce_buffer``), and copied out.
 A filesystem that refuses a read's alignment gets buffered reads of that file from then on.
 """
 
