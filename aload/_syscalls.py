@@ -33,6 +33,7 @@ if libc is not None:
 
 MADV_DONTNEED = 4
 MADV_POPULATE_READ = 22  # Linux 5.14
+MADV_HUGEPAGE = 14
 
 LOCK_STEP = 16 << 20  # the most one madvise call maps or unmaps (see madvise_in_steps)
 
@@ -109,14 +110,17 @@ def madvise_in_steps(addr: int, length: int, advice: int, step: int = LOCK_STEP)
 _bounce = threading.local()
 
 
-MADV_HUGEPAGE = 14
-#: A bounce buffer lies in whole huge pages of its own (``MADV_HUGEPAGE``), so that one direct
-#: read into it is one request to the disk. In 4 KiB pages a read is one segment per page that
-#: does not follow the last one in memory, and a virtio disk takes 254 segments a request
-#: (``/sys/block/*/queue/max_segments``): a 1 MiB piece went as two requests whenever its
-#: buffer's pages lay scattered. Suite children, 8 GiB cold, built-in, 3 rounds alternating:
-#: 11,587-13,758 requests of 599-711 KiB on average, 5.9-6.3 s a load; in huge pages 8,187 of
-#: 1,003 KiB, 3.8-3.9 s.
+#: A bounce buffer lies in huge pages of its own (private memory, ``MADV_HUGEPAGE``, 2 MiB
+#: aligned): a direct read into it is one request to the disk, and pinning its pages for the read
+#: and copying out of them take fewer page walks. In 4 KiB pages a read is one segment per run of
+#: pages that lie together, and a virtio disk takes 254 segments a request
+#: (``/sys/block/*/queue/max_segments``): a 1 MiB piece went as two requests whenever its buffer's
+#: pages lay scattered. Suite children, 8 GiB cold, built-in, alternating: in an hour when the
+#: reads split (11,587-13,758 requests averaging 599-711 KiB, 5.9-6.3 s a load), buffers laid out
+#: as these but shared (which gets no huge pages; why they did not split then is not known) made
+#: 8,187 of 1,003 KiB, 3.8-3.9 s; in a later hour when neither split, 3 rounds: 2.96-3.40 s a
+#: load and 1.44-1.76 CPU-s before, 2.56-2.95 s and 1.05-1.34 CPU-s in huge pages. Each direct
+#: read thread keeps one, 2 MiB.
 HUGE = 2 << 20
 
 
@@ -126,7 +130,7 @@ def bounce_buffer(n: int) -> tuple[memoryview, int]:
     got: tuple[memoryview, int] | None = getattr(_bounce, "buf", None)
     if got is None or len(got[0]) < n:
         size = -(-n // HUGE) * HUGE
-        m = mmap.mmap(-1, size + HUGE)
+        m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: no huge pages
         addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
         skip = -addr % HUGE
         if libc is not None:

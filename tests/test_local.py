@@ -362,38 +362,39 @@ async def test_direct_reads_at_unaligned_ranges_give_the_file_s_bytes(tmp_path: 
         assert info.value.url == str(path) and size - MiB <= lo <= size < hi == size + MiB  # the piece that ran out
 
 
-def vm_flags(addr: int) -> list[str]:
-    """The kernel's flags (``VmFlags`` in /proc/self/smaps) of the mapping holding ``addr``."""
-    inside = False
+def mapping_of(addr: int) -> tuple[str, list[str]]:
+    """The permissions and the kernel's flags (``VmFlags``) of the mapping holding ``addr``
+    (/proc/self/smaps)."""
+    inside, perms = False, ""
     for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(maxsplit=1)[0]
+        head, *rest = line.split()
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= addr < hi
+            inside, perms = lo <= addr < hi, rest[0]
         elif inside and head == "VmFlags:":
-            return line.split()[1:]
+            return perms, rest
     raise AssertionError(f"no mapping holds {addr:#x}")
 
 
 @pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="no huge pages here")
 def test_a_bounce_buffer_lies_in_huge_pages_of_its_own() -> None:
     """A direct read into 4 KiB pages is one segment per page, and a virtio disk takes 254 in one
-    request: each 1 MiB piece went to the disk as two requests whenever its buffer's pages were
-    scattered (a cold 8 GiB load made 11,600-13,800 requests, averaging 600-710 KiB, against
-    8,187 of 1 MiB in huge pages)."""
-    got: list[tuple[int, int, list[str]]] = []
+    request: each 1 MiB piece went to the disk as two requests whenever its buffer's pages lay
+    scattered (a cold 8 GiB load made 11,600-13,800 requests, averaging 600-710 KiB). Private
+    memory: an anonymous mapping shared (``mmap.mmap``'s default) gets no huge pages."""
+    got: list[tuple[int, int, str, list[str]]] = []
 
     def on_a_thread() -> None:  # one buffer per thread
-        buf, addr = _syscalls.bounce_buffer(MiB + 4096)
+        buf, addr = _syscalls.bounce_buffer(DIRECT_PIECE_BYTES + 4096)
         assert _syscalls.bounce_buffer(MiB)[1] == addr  # kept for the thread's life
-        got.append((len(buf), addr, vm_flags(addr)))
+        got.append((len(buf), addr, *mapping_of(addr)))
 
     t = threading.Thread(target=on_a_thread)
     t.start()
     t.join()
-    [(size, addr, flags)] = got
+    [(size, addr, perms, flags)] = got
     assert size == _syscalls.HUGE and addr % _syscalls.HUGE == 0
-    assert "hg" in flags  # MADV_HUGEPAGE
+    assert perms == "rw-p" and "hg" in flags  # private, MADV_HUGEPAGE
 
 
 async def test_a_filesystem_refusing_direct_reads_gets_buffered_ones(
