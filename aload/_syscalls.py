@@ -134,7 +134,7 @@ def bounce_buffer(n: int) -> tuple[memoryview, int]:
         addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
         skip = -addr % HUGE
         if libc is not None:
-            libc.madvise(ctypes.c_void_p(addr + skip), size, MADV_HUGEPAGE)  # refused: 4 KiB pages, as before
+            madvise_in_steps(addr + skip, size, MADV_HUGEPAGE)  # refused: 4 KiB pages, as before
         got = (memoryview(m)[skip : skip + size], addr + skip)
         _bounce.buf = got
     return got
