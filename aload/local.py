@@ -50,7 +50,10 @@ WARM_PIECE_BYTES = 256 << 20
 #: GB/s, out of the mapping in 256 MiB pieces 11.9, 15.5, 13.8. Suite children, warm, 3 rounds
 #: alternating: 4 GiB 261-306 ms a load against 314-454, 8 GiB 503-576 against 794-884. On the VM
 #: measured before, glibc's non-temporal stores (copies past 99 MiB) made the mapping's ``memcpy``
-#: the faster (11 GB/s a thread against ~5 for ``preadv``).
+#: the faster (11 GB/s a thread against ~5 for ``preadv``). On the CPU the host got on 2026-12-03,
+#: the mapping's copy (``MADV_POPULATE_READ`` first) kept the event loop on time better (8 GiB
+#: p99 2.5-3.3 ms against 2.7-4.5), but was 15-20% slower at 4 and 8 GiB warm (docs/benchmarks.md,
+#: "This host").
 PREAD_STEP_BYTES = 16 << 20
 #: Small tensors of a file all in the page cache, without a destination (a model's own
 #: ``load_weights``), are handed out in mapped views of up to this many bytes (at most a quarter of
