@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._threads import READ_NICE_ENV, run_in_thread
-from .local import READ_ENV, cached_share
+from .errors import UsageError
+from .local import READ_ENV, cached_share, evict, is_local
 from .pipeline import stream
 from .reader import Progress, first_tensor
 
@@ -127,9 +128,19 @@ class Probe:
 
 
 async def bench_stream(
-    url: str, *, max_inflight_bytes: int, concurrency: int, chunk_bytes: int, progress: Any = None, **options: Any
+    url: str,
+    *,
+    max_inflight_bytes: int,
+    concurrency: int,
+    chunk_bytes: int,
+    progress: Any = None,
+    cold: bool = False,
+    **options: Any,
 ) -> dict[str, Any]:
-    """Stream every tensor of ``url`` and drop it: the pipeline alone, as one benchmark row."""
+    """Stream every tensor of ``url`` and drop it: the pipeline alone, as one benchmark row. With
+    ``cold``, a local checkpoint is dropped from the page cache first (``aload.local.evict``)."""
+    if cold:
+        await run_in_thread(evict, url)
     cached = await run_in_thread(cached_share, url)  # not the loop's default executor, whose threads stay
     cpu0 = time.process_time()
     async with Probe() as probe:
@@ -158,6 +169,7 @@ async def bench_stream(
         "planned_s": st.planned_s,
         "cpu_s": time.process_time() - cpu0,
         "cached_at_start": cached,
+        "read": (options.get("read") or os.environ.get(READ_ENV) or "map") if is_local(url) else None,
         "verified_shards": st.verified_shards,
         "max_inflight_bytes": max_inflight_bytes,
         "concurrency": concurrency,
@@ -171,9 +183,20 @@ async def bench_stream(
 async def sweep(
     url: str, *, budgets: list[int], concurrencies: list[int], chunks: list[int], **options: Any
 ) -> list[dict[str, Any]]:
-    """One row per setting, best first (by throughput)."""
+    """One row per setting, best first (by throughput), after one untimed run of the first. A
+    local checkpoint's share in the page cache can change between settings (a run reads it in):
+    ``cold=True`` drops it before each, and ``uneven_cache`` says when the rows did not start
+    alike."""
+    grid = list(itertools.product(budgets, concurrencies, chunks))
+    if not grid:
+        raise UsageError("a sweep needs at least one budget, concurrency and chunk size", url=url)
+    # One untimed run first: the first in a process, or the first from a disk left idle, ran up to
+    # 3x slower here (1 GB cold, 3 sweeps of 4: 0.45-0.64 GB/s, the other setting 1.35-1.64,
+    # whichever came first), which made the grid's first setting look the worst.
+    budget, conc, chunk = grid[0]
+    await bench_stream(url, max_inflight_bytes=budget, concurrency=conc, chunk_bytes=chunk, **options)
     rows = []
-    for budget, conc, chunk in itertools.product(budgets, concurrencies, chunks):
+    for budget, conc, chunk in grid:
         rows.append(await bench_stream(url, max_inflight_bytes=budget, concurrency=conc, chunk_bytes=chunk, **options))
     return sorted(rows, key=lambda r: -float(r["gbps"]))
 
@@ -186,16 +209,39 @@ def describe(row: dict[str, Any]) -> str:
         f"(+{row['peak_anon_delta_bytes'] / 2**20:.0f} MiB anonymous); loop lateness p50 "
         f"{row['loop_lag_p50_ms']:.2f} ms, p99 {row['loop_lag_p99_ms']:.2f} ms"
         + (f"; SHA-256 verified for {row['verified_shards']} shard(s)" if row.get("verified_shards") else "")
-        + _cache_note(row.get("cached_at_start"))
+        + _cache_note(row.get("cached_at_start"), row.get("read"))
     )
 
 
-def _cache_note(share: float | None) -> str:
-    """Whether the disk was read at all: a warm page cache makes a local figure memory's speed."""
+def _cache_note(share: float | None, read: str | None = None) -> str:
+    """Whether the disk was read at all: a warm page cache makes a local figure memory's speed,
+    and in the "map" and "shared" modes (tensors handed out as views of the page cache, nothing
+    copied) not even that."""
     if share is None:
         return ""
-    state = "warm" if share >= 0.99 else "cold" if share <= 0.01 else "partly warm"
-    return f"; {share:.0%} of it in the page cache at start ({state})"
+    state = "warm" if share >= WARM else "cold" if share <= 0.01 else "partly warm"
+    note = f"; {share:.0%} of it in the page cache at start ({state})"
+    if state == "warm" and read in ("map", "shared"):
+        note += ": handed out as views of it, nothing copied (a load copies each byte once; --cold reads the disk)"
+    return note
 
 
-__all__ = ["Probe", "Progress", "bench_stream", "describe", "host", "read_status", "sweep"]
+#: A local checkpoint this much in the page cache reads as "warm".
+WARM = 0.99
+
+
+def uneven_cache(rows: list[dict[str, Any]]) -> str | None:
+    """A line saying that the rows of a sweep found different shares of a local checkpoint in the
+    page cache (the first setting read it in for the others), so their figures do not compare;
+    None when they started alike (within 5 points) or the share is not known."""
+    shares = [r["cached_at_start"] for r in rows if r.get("cached_at_start") is not None]
+    if not shares or max(shares) - min(shares) <= 0.05:
+        return None
+    return (
+        f"note: the page cache held {min(shares):.0%} to {max(shares):.0%} of the checkpoint as these runs "
+        "started, so they did not read alike: --cold reads it from the disk for every setting; or "
+        "stream it once first, to compare them on memory"
+    )
+
+
+__all__ = ["Probe", "Progress", "bench_stream", "describe", "host", "read_status", "sweep", "uneven_cache"]

@@ -14,9 +14,9 @@ from dataclasses import asdict
 from typing import Any, TextIO
 
 from .checkpoint import DEFAULT_CONCURRENCY, open
-from .errors import AloadError
+from .errors import AloadError, UsageError
 from .loader import load
-from .local import READ_MODES
+from .local import READ_MODES, is_local
 from .pipeline import stream
 from .reader import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, Progress
 
@@ -139,6 +139,17 @@ def _sizes(text: str) -> list[int]:
     return [_size(x) for x in text.split(",")]
 
 
+def _counts(text: str) -> list[int]:
+    """ "1,2,4" -> [1, 2, 4], each a positive whole number."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of whole numbers: {text!r} (e.g. 1,2,4,8)") from None
+    if min(counts) <= 0:
+        raise argparse.ArgumentTypeError(f"not all positive: {text!r}")
+    return counts
+
+
 def _human(n: int) -> str:
     """The shortest exact spelling ``_size`` reads back: 536870912 -> "512m"."""
     for suffix, unit in (("g", 2**30), ("m", 2**20), ("k", 2**10)):
@@ -148,16 +159,19 @@ def _human(n: int) -> str:
 
 
 async def _bench(args: argparse.Namespace) -> int:
-    from .bench import bench_stream, describe, sweep
+    from .bench import bench_stream, describe, sweep, uneven_cache
 
+    if args.cold and not is_local(args.path):
+        raise UsageError("--cold drops a local checkpoint from the page cache; this one is remote", url=args.path)
     options: dict[str, Any] = {"read": args.read} if args.read else {}
+    options["cold"] = args.cold
     if args.verify:
         options["verify"] = args.verify
     if args.sweep:
         rows = await sweep(
             args.path,
             budgets=args.budget_sweep,
-            concurrencies=[int(x) for x in args.concurrency_sweep.split(",")],
+            concurrencies=args.concurrency_sweep,
             chunks=args.chunk_sweep,
             **options,
         )
@@ -167,6 +181,9 @@ async def _bench(args: argparse.Namespace) -> int:
                 f"chunk {r['chunk_bytes'] >> 20} MiB: {describe(r)}"
             )
         best = rows[0]
+        note = uneven_cache(rows)
+        if note:
+            print(note)
         print(
             f"best here: --budget {_human(best['max_inflight_bytes'])} --concurrency {best['concurrency']} "
             f"--chunk-bytes {_human(best['chunk_bytes'])} ({best['gbps']:.2f} GB/s)"
@@ -241,15 +258,27 @@ def main(argv: list[str] | None = None) -> int:
         "bench", help="measure streaming your checkpoint: throughput, first tensor, memory, loop lateness"
     )
     _source_arguments(p_bench)
-    p_bench.add_argument("--sweep", action="store_true", help="try the grid below and report which setting did best")
+    p_bench.add_argument(
+        "--sweep",
+        action="store_true",
+        help="try the grid below (after one untimed run) and report which setting did best",
+    )
     p_bench.add_argument(
         "--budget-sweep", type=_sizes, default="128m,512m", help="budgets to try (default %(default)s)"
     )
-    p_bench.add_argument("--concurrency-sweep", default="1,2,4,8", help="concurrencies to try (default %(default)s)")
+    p_bench.add_argument(
+        "--concurrency-sweep", type=_counts, default="1,2,4,8", help="concurrencies to try (default %(default)s)"
+    )
     p_bench.add_argument(
         "--chunk-sweep", type=_sizes, default="4m,16m,64m", help="chunk sizes to try (default %(default)s)"
     )
     p_bench.add_argument("--repeat", type=int, default=1, help="stream it this many times in one process")
+    p_bench.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop a local checkpoint from the page cache before each run, so that it is read from the disk "
+        "(pages another process has mapped stay)",
+    )
     p_bench.add_argument("--json", help="write the row(s) here, one JSON object per line")
     args = parser.parse_args(argv)
     commands = {"inspect": _inspect, "load": _load, "bench": _bench}

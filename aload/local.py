@@ -72,19 +72,44 @@ def _path_from_url(url: str) -> str:
     return os.path.expanduser(url)
 
 
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def _local_files(url: str) -> list[str]:
+    """A local checkpoint's ``.safetensors`` files: the file itself, or those of the folder."""
+    path = _path_from_url(url)
+    if os.path.isdir(path):
+        return [os.path.join(path, e) for e in sorted(os.listdir(path)) if e.endswith(".safetensors")]
+    return [path]
+
+
 def cached_share(url: str) -> float | None:
     """The share of a local checkpoint's bytes (a ``.safetensors`` file, or those of a folder)
     in the page cache now; None for a remote one, or where ``cachestat(2)`` is refused. For
     ``aload bench``: a figure means little without whether the disk was read."""
-    if "://" in url and not url.startswith("file://"):
-        return None
-    path = _path_from_url(url)
-    files = (
-        [os.path.join(path, e) for e in sorted(os.listdir(path)) if e.endswith(".safetensors")]
-        if os.path.isdir(path)
-        else [path]
-    )
-    return share_of(files)
+    return share_of(_local_files(url)) if is_local(url) else None
+
+
+def evict(url: str) -> None:
+    """Drop a local checkpoint's files from the page cache (each written back, then
+    ``POSIX_FADV_DONTNEED``), so that the next read comes from the disk: ``aload bench --cold``.
+    Pages another process has mapped stay, and so does all of a file on a filesystem that lives in
+    memory (tmpfs); ``cached_share`` says what stayed."""
+    if not is_local(url):
+        raise UsageError("only a local checkpoint can be dropped from the page cache", url=url)
+    for path in _local_files(url):
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise SourceError(f"cannot open: {exc.strerror}", url=path) from exc
+        try:
+            with contextlib.suppress(OSError):  # dirty pages then stay, as the kernel keeps them
+                os.fsync(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 class LocalSource(Source):

@@ -114,24 +114,52 @@ def test_bench_drops_each_tensor_before_asking_for_the_next(tmp_path: Path) -> N
 
 
 def test_bench_says_how_much_of_a_local_checkpoint_the_page_cache_held(tmp_path: Path) -> None:
-    """A local figure is memory's speed when the page cache held the files, the disk's when not:
-    ``aload bench`` says which (``cachestat(2)``; nothing where the kernel refuses it)."""
+    """A local figure is memory's speed when the page cache held the files (in the default mode
+    not even that: the tensors are views of it), the disk's when not: ``aload bench`` says which
+    (``cachestat(2)``; nothing where the kernel refuses it), and ``--cold`` drops the files from
+    the page cache before the run."""
     path = tmp_path / "m.safetensors"
     save_file({f"t{i}": torch.randn(256, 1024) for i in range(4)}, str(path))
     path.read_bytes()
     out = tmp_path / "rows.jsonl"
     done = run("bench", str(path), "-q", "--json", str(out))
     assert done.returncode == 0, done.stderr
-    share = json.loads(out.read_text())["cached_at_start"]
+    row = json.loads(out.read_text())
+    assert row["read"] == "map"
+    share = row["cached_at_start"]
     if share is None:
         assert "page cache" not in done.stdout
         return
-    assert share == 1.0 and "100% of it in the page cache at start (warm)" in done.stdout
+    assert share == 1.0 and "100% of it in the page cache at start (warm): handed out as views" in done.stdout
     drop_cache(path)
     done = run("bench", str(path), "-q", "--json", str(out))
     share = json.loads(out.read_text())["cached_at_start"]
-    if share < 1.0:  # a filesystem that keeps its files in memory (tmpfs) says 100% again
-        assert share < 0.5 and f"{share:.0%} of it in the page cache at start (" in done.stdout, done.stdout
+    if share == 1.0:  # a filesystem that keeps its files in memory (tmpfs) says 100% again
+        return
+    assert share < 0.5 and f"{share:.0%} of it in the page cache at start (" in done.stdout, done.stdout
+    path.read_bytes()
+    done = run("bench", str(path), "-q", "--cold", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    row = json.loads(out.read_text())
+    assert row["cached_at_start"] < 0.5 and row["tensors"] == 4 and "nothing copied" not in done.stdout
+
+
+def test_bench_cold_is_for_local_checkpoints_only() -> None:
+    url = "http://127.0.0.1:9/m.safetensors"
+    done = run("bench", url, "-q", "--cold")
+    assert done.returncode == 2
+    assert "--cold" in done.stderr and url in done.stderr and "remote" in done.stderr
+
+
+def test_a_sweep_says_when_its_runs_found_the_page_cache_unlike() -> None:
+    from aload.bench import uneven_cache
+
+    assert uneven_cache([{"cached_at_start": 0.81}, {"cached_at_start": 0.97}, {"cached_at_start": 1.0}]) == (
+        "note: the page cache held 81% to 100% of the checkpoint as these runs started, so they did not read "
+        "alike: --cold reads it from the disk for every setting; or stream it once first, to compare them on memory"
+    )
+    assert uneven_cache([{"cached_at_start": 1.0}, {"cached_at_start": 0.97}]) is None  # within 5 points
+    assert uneven_cache([{"cached_at_start": None}, {"cached_at_start": None}]) is None  # remote, or not known
 
 
 def test_bench_sweep_reports_the_best_setting(tmp_path: Path) -> None:
@@ -167,6 +195,9 @@ def test_sizes_read_as_a_user_writes_them(tmp_path: Path) -> None:
     assert done.returncode == 2 and "not a size: 'lots'" in done.stderr and "Traceback" not in done.stderr
     done = run("bench", str(path), "--sweep", "--chunk-sweep", "4m,0")
     assert done.returncode == 2 and "not a positive size" in done.stderr
+    for counts, said in (("", "not a list of whole numbers: ''"), ("2,0", "not all positive: '2,0'")):
+        done = run("bench", str(path), "--sweep", "--concurrency-sweep", counts)
+        assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr
 
 
 def test_load_and_bench_verify_a_manifest(tmp_path: Path) -> None:
