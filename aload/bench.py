@@ -232,7 +232,7 @@ WARM = 0.99
 
 def uneven_cache(rows: list[dict[str, Any]]) -> str | None:
     """A line saying that the rows of a sweep found different shares of a local checkpoint in the
-    page cache (the first setting read it in for the others), so their figures do not compare;
+    page cache (a run read it in for those after it), so their figures do not compare;
     None when they started alike (within 5 points) or the share is not known."""
     shares = [r["cached_at_start"] for r in rows if r.get("cached_at_start") is not None]
     if not shares or max(shares) - min(shares) <= 0.05:

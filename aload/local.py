@@ -73,6 +73,7 @@ def _path_from_url(url: str) -> str:
 
 
 def is_local(url: str) -> bool:
+    """Whether ``url`` names a local checkpoint: a path, or a ``file://`` URL."""
     return "://" not in url or url.startswith("file://")
 
 
