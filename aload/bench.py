@@ -14,6 +14,7 @@ import os
 import platform
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,23 +182,36 @@ async def bench_stream(
 
 
 async def sweep(
-    url: str, *, budgets: list[int], concurrencies: list[int], chunks: list[int], **options: Any
+    url: str,
+    *,
+    budgets: list[int],
+    concurrencies: list[int],
+    chunks: list[int],
+    report: Callable[[int, int, dict[str, Any]], None] | None = None,
+    progress: Callable[[], Any] | None = None,
+    **options: Any,
 ) -> list[dict[str, Any]]:
     """One row per setting, best first (by throughput), after one untimed run of the first. A
     local checkpoint's share in the page cache can change between settings (a run reads it in):
     ``cold=True`` drops it before each, and ``uneven_cache`` says when the rows did not start
-    alike."""
+    alike. ``report(i, n, row)`` is called as each of the ``n`` settings finishes (a default grid
+    is 24 of them), and ``progress()`` makes each run's progress callback."""
     grid = list(itertools.product(budgets, concurrencies, chunks))
     if not grid:
         raise UsageError("a sweep needs at least one budget, concurrency and chunk size", url=url)
     # One untimed run first: the first in a process, or the first from a disk left idle, ran up to
     # 3x slower here (1 GB cold, 3 sweeps of 4: 0.45-0.64 GB/s, the other setting 1.35-1.64,
     # whichever came first), which made the grid's first setting look the worst.
-    budget, conc, chunk = grid[0]
-    await bench_stream(url, max_inflight_bytes=budget, concurrency=conc, chunk_bytes=chunk, **options)
     rows = []
-    for budget, conc, chunk in grid:
-        rows.append(await bench_stream(url, max_inflight_bytes=budget, concurrency=conc, chunk_bytes=chunk, **options))
+    for i, (budget, conc, chunk) in enumerate([grid[0], *grid]):
+        bar = progress() if progress is not None else None
+        row = await bench_stream(
+            url, max_inflight_bytes=budget, concurrency=conc, chunk_bytes=chunk, progress=bar, **options
+        )
+        if i:
+            rows.append(row)
+            if report is not None:
+                report(i, len(grid), row)
     return sorted(rows, key=lambda r: -float(r["gbps"]))
 
 

@@ -168,18 +168,25 @@ async def _bench(args: argparse.Namespace) -> int:
     if args.verify:
         options["verify"] = args.verify
     if args.sweep:
+
+        def report(i: int, n: int, r: dict[str, Any]) -> None:  # as each setting finishes
+            print(
+                f"[{i}/{n}] budget {_human(r['max_inflight_bytes'])}, concurrency {r['concurrency']}, "
+                f"chunk {_human(r['chunk_bytes'])}: {describe(r)}",
+                flush=True,
+            )
+
+        if not args.quiet:
+            print("one untimed run of the first setting, then each setting in turn", file=sys.stderr)
         rows = await sweep(
             args.path,
             budgets=args.budget_sweep,
             concurrencies=args.concurrency_sweep,
             chunks=args.chunk_sweep,
+            report=report,
+            progress=None if args.quiet else ProgressBar,
             **options,
         )
-        for r in rows:
-            print(
-                f"budget {r['max_inflight_bytes'] >> 20} MiB, concurrency {r['concurrency']}, "
-                f"chunk {r['chunk_bytes'] >> 20} MiB: {describe(r)}"
-            )
         best = rows[0]
         note = uneven_cache(rows)
         if note:

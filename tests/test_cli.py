@@ -182,6 +182,11 @@ def test_bench_sweep_reports_the_best_setting(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4 and rows[0]["gbps"] == max(r["gbps"] for r in rows)
+    # each setting as it finishes, in the grid's order (a default grid is 24 of them)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in lines] == ["[1/4", "[2/4", "[3/4", "[4/4"]
+    assert lines[0].startswith("[1/4] budget 1m, concurrency 1, chunk 1m: ") and "GB/s" in lines[0]
+    assert "untimed run" in done.stderr and "100.0%" in done.stderr  # the progress bar, on stderr
     assert "best here: --budget 1m --concurrency" in done.stdout  # in the units --budget reads back
     assert " --chunk-bytes 1m " in done.stdout or " --chunk-bytes 4k " in done.stdout
 
