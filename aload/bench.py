@@ -187,31 +187,45 @@ async def sweep(
     budgets: list[int],
     concurrencies: list[int],
     chunks: list[int],
+    rounds: int = 1,
     report: Callable[[int, int, dict[str, Any]], None] | None = None,
     progress: Callable[[], Any] | None = None,
     **options: Any,
 ) -> list[dict[str, Any]]:
-    """One row per setting, best first (by throughput), after one untimed run of the first. A
-    local checkpoint's share in the page cache can change between settings (a run reads it in):
-    ``cold=True`` drops it before each, and ``uneven_cache`` says when the rows did not start
-    alike. ``report(i, n, row)`` is called as each of the ``n`` settings finishes (a default grid
-    is 24 of them), and ``progress()`` makes each run's progress callback."""
+    """One row per setting, best first (by throughput), after one untimed run of the first. With
+    ``rounds`` > 1 the grid is run that many times, forward and backward in turn, and each
+    setting's row is its median run (the slower middle one of an even count; ``gbps_runs``: every
+    run's figure): a storage's speed drifts
+    over a sweep (a default one of a 4 GB checkpoint took ~70 s here), and one pass in one order
+    credits the drift to the settings that come late. A local checkpoint's share in the page
+    cache can change between settings (a run reads it in): ``cold=True`` drops it before each,
+    and ``uneven_cache`` says when the rows did not start alike. ``report(i, n, row)`` is called
+    as each of the ``n`` runs finishes (a default grid is 24 settings), and ``progress()`` makes
+    each run's progress callback."""
     grid = list(itertools.product(budgets, concurrencies, chunks))
     if not grid:
         raise UsageError("a sweep needs at least one budget, concurrency and chunk size", url=url)
+    if rounds < 1:
+        raise UsageError(f"a sweep runs at least one round, got {rounds}", url=url)
     # One untimed run first: the first in a process, or the first from a disk left idle, ran up to
     # 3x slower here (1 GB cold, 3 sweeps of 4: 0.45-0.64 GB/s, the other setting 1.35-1.64,
     # whichever came first), which made the grid's first setting look the worst.
-    rows = []
-    for i, (budget, conc, chunk) in enumerate([grid[0], *grid]):
+    order = [grid[0]] + [s for r in range(rounds) for s in (grid if r % 2 == 0 else grid[::-1])]
+    runs: dict[tuple[int, int, int], list[dict[str, Any]]] = {s: [] for s in grid}
+    for i, setting in enumerate(order):
+        budget, conc, chunk = setting
         bar = progress() if progress is not None else None
         row = await bench_stream(
             url, max_inflight_bytes=budget, concurrency=conc, chunk_bytes=chunk, progress=bar, **options
         )
         if i:
-            rows.append(row)
+            runs[setting].append(row)
             if report is not None:
-                report(i, len(grid), row)
+                report(i, len(order) - 1, row)
+    rows = []
+    for got in runs.values():
+        by_speed = sorted(got, key=lambda r: float(r["gbps"]))
+        rows.append({**by_speed[(len(by_speed) - 1) // 2], "gbps_runs": [r["gbps"] for r in got]})
     return sorted(rows, key=lambda r: -float(r["gbps"]))
 
 

@@ -150,6 +150,17 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
+def _count(text: str) -> int:
+    """ "3" -> 3, a positive whole number."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"not positive: {text!r}")
+    return n
+
+
 def _human(n: int) -> str:
     """The shortest exact spelling ``_size`` reads back: 536870912 -> "512m"."""
     for suffix, unit in (("g", 2**30), ("m", 2**20), ("k", 2**10)):
@@ -183,10 +194,19 @@ async def _bench(args: argparse.Namespace) -> int:
             budgets=args.budget_sweep,
             concurrencies=args.concurrency_sweep,
             chunks=args.chunk_sweep,
+            rounds=args.repeat,
             report=report,
             progress=None if args.quiet else ProgressBar,
             **options,
         )
+        if args.repeat > 1:
+            print(f"medians of {args.repeat} rounds, best first:")
+            for r in rows:
+                runs = r["gbps_runs"]
+                print(
+                    f"  budget {_human(r['max_inflight_bytes'])}, concurrency {r['concurrency']}, chunk "
+                    f"{_human(r['chunk_bytes'])}: {r['gbps']:.2f} GB/s ({min(runs):.2f}-{max(runs):.2f})"
+                )
         best = rows[0]
         note = uneven_cache(rows)
         if note:
@@ -279,7 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument(
         "--chunk-sweep", type=_sizes, default="4m,16m,64m", help="chunk sizes to try (default %(default)s)"
     )
-    p_bench.add_argument("--repeat", type=int, default=1, help="stream it this many times in one process")
+    p_bench.add_argument(
+        "--repeat",
+        type=_count,
+        default=1,
+        help="stream it this many times in one process; with --sweep, run the grid this many times, "
+        "forward and backward in turn, and rank the settings by their medians",
+    )
     p_bench.add_argument(
         "--cold",
         action="store_true",

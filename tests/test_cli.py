@@ -191,6 +191,26 @@ def test_bench_sweep_reports_the_best_setting(tmp_path: Path) -> None:
     assert " --chunk-bytes 1m " in done.stdout or " --chunk-bytes 4k " in done.stdout
 
 
+def test_bench_sweep_in_rounds_alternates_its_order_and_ranks_by_medians(tmp_path: Path) -> None:
+    """A storage's speed drifts over a sweep: in rounds, the grid runs forward then backward, and
+    each setting stands by its median run, not by where in the sweep it came."""
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.randn(64, 64) for i in range(8)}, str(path))
+    out = tmp_path / "rows.jsonl"
+    grid = "--sweep --repeat 3 --budget-sweep 1m --concurrency-sweep 1,2 --chunk-sweep 1m".split()
+    done = run("bench", str(path), "-q", "--json", str(out), *grid)
+    assert done.returncode == 0, done.stderr
+    runs = [line.split(", chunk")[0].split("] ")[1] for line in done.stdout.splitlines() if line.startswith("[")]
+    one, two = "budget 1m, concurrency 1", "budget 1m, concurrency 2"
+    assert runs == [one, two, two, one, one, two]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and rows[0]["gbps"] >= rows[1]["gbps"]
+    for row in rows:
+        assert len(row["gbps_runs"]) == 3 and row["gbps"] == sorted(row["gbps_runs"])[1]
+    assert "medians of 3 rounds, best first:" in done.stdout
+    assert run("bench", str(path), "--repeat", "0").returncode == 2
+
+
 def test_sizes_read_as_a_user_writes_them(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     save_file({"t": torch.randn(64, 64)}, str(path))
