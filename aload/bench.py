@@ -195,9 +195,8 @@ async def sweep(
     """One row per setting, best first (by throughput), after one untimed run of the first. With
     ``rounds`` > 1 the grid is run that many times, forward and backward in turn, and each
     setting's row is its median run (the slower middle one of an even count; ``gbps_runs``: every
-    run's figure): a storage's speed drifts
-    over a sweep (a default one of a 4 GB checkpoint took ~70 s here), and one pass in one order
-    credits the drift to the settings that come late. A local checkpoint's share in the page
+    run's figure): a storage's speed drifts over a sweep (a default one of a 4 GB checkpoint took
+    ~70 s here), and one pass in one order credits the drift to the settings that come late. A local checkpoint's share in the page
     cache can change between settings (a run reads it in): ``cold=True`` drops it before each,
     and ``uneven_cache`` says when the rows did not start alike. ``report(i, n, row)`` is called
     as each of the ``n`` runs finishes (a default grid is 24 settings), and ``progress()`` makes
@@ -241,6 +240,10 @@ def describe(row: dict[str, Any]) -> str:
     )
 
 
+#: A local checkpoint this much in the page cache reads as "warm".
+WARM = 0.99
+
+
 def _cache_note(share: float | None, read: str | None = None) -> str:
     """Whether the disk was read at all: a warm page cache makes a local figure memory's speed,
     and in the "map" and "shared" modes (tensors handed out as views of the page cache, nothing
@@ -252,10 +255,6 @@ def _cache_note(share: float | None, read: str | None = None) -> str:
     if state == "warm" and read in ("map", "shared"):
         note += ": handed out as views of it, nothing copied (a load copies each byte once; --cold reads the disk)"
     return note
-
-
-#: A local checkpoint this much in the page cache reads as "warm".
-WARM = 0.99
 
 
 def uneven_cache(rows: list[dict[str, Any]]) -> str | None:

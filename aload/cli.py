@@ -139,17 +139,6 @@ def _sizes(text: str) -> list[int]:
     return [_size(x) for x in text.split(",")]
 
 
-def _counts(text: str) -> list[int]:
-    """ "1,2,4" -> [1, 2, 4], each a positive whole number."""
-    try:
-        counts = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of whole numbers: {text!r} (e.g. 1,2,4,8)") from None
-    if min(counts) <= 0:
-        raise argparse.ArgumentTypeError(f"not all positive: {text!r}")
-    return counts
-
-
 def _count(text: str) -> int:
     """ "3" -> 3, a positive whole number."""
     try:
@@ -159,6 +148,11 @@ def _count(text: str) -> int:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"not positive: {text!r}")
     return n
+
+
+def _counts(text: str) -> list[int]:
+    """ "1,2,4" -> [1, 2, 4]."""
+    return [_count(x) for x in text.split(",")]
 
 
 def _human(n: int) -> str:
