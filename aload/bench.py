@@ -20,7 +20,7 @@ from typing import Any
 
 from ._threads import READ_NICE_ENV, run_in_thread
 from .errors import UsageError
-from .local import READ_ENV, cached_share, evict, is_local
+from .local import READ_ENV, cached_share, evict, is_local, read_mode
 from .pipeline import stream
 from .reader import Progress, first_tensor
 
@@ -170,7 +170,7 @@ async def bench_stream(
         "planned_s": st.planned_s,
         "cpu_s": time.process_time() - cpu0,
         "cached_at_start": cached,
-        "read": (options.get("read") or os.environ.get(READ_ENV) or "map") if is_local(url) else None,
+        "read": read_mode(options.get("read")) if is_local(url) else None,
         "verified_shards": st.verified_shards,
         "max_inflight_bytes": max_inflight_bytes,
         "concurrency": concurrency,
@@ -196,9 +196,10 @@ async def sweep(
     ``rounds`` > 1 the grid is run that many times, forward and backward in turn, and each
     setting's row is its median run (the slower middle one of an even count; ``gbps_runs``: every
     run's figure): a storage's speed drifts over a sweep (a default one of a 4 GB checkpoint took
-    ~70 s here), and one pass in one order credits the drift to the settings that come late. A local checkpoint's share in the page
-    cache can change between settings (a run reads it in): ``cold=True`` drops it before each,
-    and ``uneven_cache`` says when the rows did not start alike. ``report(i, n, row)`` is called
+    ~70 s here), and one pass in one order credits the drift to the settings that come late. A
+    local checkpoint's share in the page cache can change between settings (a run reads it in):
+    ``cold=True`` drops it before each, and ``uneven_cache`` says when the rows did not start
+    alike. ``report(i, n, row)`` is called
     as each of the ``n`` runs finishes (a default grid is 24 settings), and ``progress()`` makes
     each run's progress callback."""
     grid = list(itertools.product(budgets, concurrencies, chunks))

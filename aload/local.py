@@ -63,6 +63,12 @@ PREAD_STEP_BYTES = 16 << 20
 MAPPED_RUN_BYTES = 128 << 20
 
 
+def read_mode(read: str | None) -> str:
+    """The read mode a local load uses: ``read`` where given, else ``ALOAD_READ`` (an operator's
+    choice for every load of the process, e.g. each rank's), else "map"."""
+    return read or os.environ.get(READ_ENV) or "map"
+
+
 def _path_from_url(url: str) -> str:
     if url.startswith("file://"):
         parsed = urlparse(url)
@@ -367,9 +373,8 @@ class LocalStore(Store):
     """A local ``.safetensors`` file or a folder of them."""
 
     def __init__(self, url: str, *, concurrency: int, read: str | None = None) -> None:
-        said = "read"
-        if read is None:  # an operator's choice for every load of the process, e.g. each rank's
-            read, said = os.environ.get(READ_ENV) or "map", READ_ENV
+        said = "read" if read is not None else READ_ENV
+        read = read_mode(read)
         if read not in READ_MODES:
             raise UsageError(f"{said} must be one of {READ_MODES}, got {read!r}", url=url)
         self.url = _path_from_url(url)

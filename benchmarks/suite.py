@@ -167,11 +167,9 @@ def shards(folder: Path) -> list[Path]:
 
 
 def drop_cache(folder: Path) -> None:
-    for p in shards(folder):
-        fd = os.open(p, os.O_RDONLY)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+    from aload.local import evict  # as ``aload bench --cold`` does
+
+    evict(str(folder))
 
 
 #: "partial": warm, then this share of each shard dropped from the page cache, from its start (a
