@@ -38,6 +38,19 @@ def read_status(field_name: str, path: str = "/proc/self/status") -> int:
     return 0
 
 
+def stolen_s() -> float | None:
+    """CPU time the hypervisor has taken from this machine's CPUs since boot, all of them
+    together (``steal`` in ``/proc/stat``), in seconds; None where it is not known (not Linux, an
+    old kernel). A VM's vCPUs wait while the host runs something else, and a load's figures swing
+    with it: on this project's VM a busy 2-core guest lost up to ~1 s of CPU a second."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else None
+    except (OSError, ValueError):
+        return None
+
+
 #: Environment variables that change how fast a load runs, named in ``host()`` where set: aload's
 #: read mode and its read threads' priority, and glibc's tunables (its threshold for non-temporal
 #: stores changed warm loads through ``load_weights`` here, whose ``copy_()`` reads the file's
@@ -80,7 +93,8 @@ def host(packages: tuple[str, ...] = ("aload", "torch", "safetensors")) -> dict[
 
 @dataclass
 class Probe:
-    """Loop lateness (1 ms ticker) and peak memory over a baseline, for one measured stretch."""
+    """Loop lateness (1 ms ticker), peak memory over a baseline and the CPU time the hypervisor
+    took (``stolen_s``), for one measured stretch."""
 
     lags: list[float] = field(default_factory=list)
     trace: list[tuple[float, int, int]] = field(default_factory=list)  # (s, anon, rss) deltas
@@ -88,6 +102,7 @@ class Probe:
 
     async def __aenter__(self) -> Probe:
         self.base_anon, self.base_rss = read_status("RssAnon"), read_status("VmRSS")
+        self.steal = self.steal0 = stolen_s()
         self.t0 = time.perf_counter()
         self._sampler = threading.Thread(target=self._sample, name="bench-sampler", daemon=True)
         self._sampler.start()
@@ -100,6 +115,7 @@ class Probe:
         await asyncio.wait([self._ticker])
         self._stop.set()
         self._sampler.join()
+        self.steal = stolen_s()
 
     async def _tick(self) -> None:
         while True:
@@ -125,6 +141,7 @@ class Probe:
             "peak_rss_delta_bytes": max((r for _, _, r in self.trace), default=0),
             "loop_lag_p50_ms": lags[len(lags) // 2] * 1e3,
             "loop_lag_p99_ms": lags[min(len(lags) - 1, int(len(lags) * 0.99))] * 1e3,
+            "steal_s": None if self.steal is None or self.steal0 is None else round(self.steal - self.steal0, 3),
         }
 
 
@@ -238,6 +255,24 @@ def describe(row: dict[str, Any]) -> str:
         f"{row['loop_lag_p50_ms']:.2f} ms, p99 {row['loop_lag_p99_ms']:.2f} ms"
         + (f"; SHA-256 verified for {row['verified_shards']} shard(s)" if row.get("verified_shards") else "")
         + _cache_note(row.get("cached_at_start"), row.get("read"))
+        + _steal_note(row.get("steal_s"), row["seconds"])
+    )
+
+
+#: The share of the machine's CPU time over a run that the hypervisor may take before ``describe``
+#: says so.
+STEAL_NOTE = 0.05
+
+
+def _steal_note(steal: float | None, seconds: float) -> str:
+    """Whether the hypervisor took a noticeable share of this machine's CPU during the run: on a
+    VM, figures swing with what else its host runs."""
+    cores = os.cpu_count() or 1
+    if steal is None or seconds <= 0 or steal < STEAL_NOTE * seconds * cores:
+        return ""
+    return (
+        f"; the hypervisor took {steal:.2f} s of this machine's CPU meanwhile "
+        f"({steal / (seconds * cores):.0%} of {cores} CPUs: steal), so figures here swing with its other work"
     )
 
 
@@ -272,4 +307,4 @@ def uneven_cache(rows: list[dict[str, Any]]) -> str | None:
     )
 
 
-__all__ = ["Probe", "Progress", "bench_stream", "describe", "host", "read_status", "sweep", "uneven_cache"]
+__all__ = ["Probe", "Progress", "bench_stream", "describe", "host", "read_status", "stolen_s", "sweep", "uneven_cache"]

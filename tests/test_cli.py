@@ -75,8 +75,10 @@ def test_bench_prints_figures_and_writes_rows(tmp_path: Path) -> None:
         "peak_rss_delta_bytes",
         "loop_lag_p99_ms",
         "cpu_s",
+        "steal_s",
     ):
         assert key in row
+    assert row["steal_s"] is None or row["steal_s"] >= 0
     # what it ran on, so that rows from two hosts are not compared as one
     assert row["host"]["cores"] == os.cpu_count() and row["host"]["python"] == platform.python_version()
     assert row["host"]["torch"] == torch.__version__
@@ -160,6 +162,21 @@ def test_a_sweep_says_when_its_runs_found_the_page_cache_unlike() -> None:
     )
     assert uneven_cache([{"cached_at_start": 1.0}, {"cached_at_start": 0.97}]) is None  # within 5 points
     assert uneven_cache([{"cached_at_start": None}, {"cached_at_start": None}]) is None  # remote, or not known
+
+
+def test_bench_says_when_the_hypervisor_took_the_cpu() -> None:
+    from aload import bench
+
+    row = {"gbps": 1.0, "bytes": 10**9, "tensors": 3, "seconds": 1.0, "ttft_s": 0.1, "peak_rss_delta_bytes": 0}
+    row |= {"peak_anon_delta_bytes": 0, "loop_lag_p50_ms": 0.1, "loop_lag_p99_ms": 1.0}
+    cores = os.cpu_count() or 1
+    taken = bench.describe(row | {"steal_s": 0.5 * cores})
+    assert f"the hypervisor took {0.5 * cores:.2f} s of this machine's CPU meanwhile (50% of {cores} CPUs" in taken
+    assert "hypervisor" not in bench.describe(row | {"steal_s": 0.01 * cores})  # under 5%: not worth a word
+    assert "hypervisor" not in bench.describe(row | {"steal_s": None})  # not known (not Linux)
+    if sys.platform.startswith("linux"):  # since boot, so it only grows
+        first = bench.stolen_s()
+        assert first is not None and 0 <= first <= (bench.stolen_s() or 0)
 
 
 def test_bench_sweep_reports_the_best_setting(tmp_path: Path) -> None:
