@@ -41,9 +41,9 @@ READ_ENV = "ALOAD_READ"
 #: trips to the event loop; each is read in steps of ``PREAD_STEP_BYTES`` across the read threads.
 WARM_PIECE_BYTES = 256 << 20
 #: Bytes in the page cache with a destination are read by ``preadv`` (the kernel's copy, straight
-#: from the page cache into the destination) in steps of this size across the read threads, and
-#: from a file all in the page cache, smaller tensors with a destination are read in runs by one
-#: scattering ``preadv`` (``scatter_below``). Copying out of the file's mapping instead (one
+#: from the page cache into the destination): a tensor under this size in one call, or, from a
+#: file all in the page cache, in a run of them by one scattering ``preadv`` (``scatter_below``);
+#: a larger one in steps of ``PREAD_STEP_BYTES`` across the read threads. Copying out of the file's mapping instead (one
 #: ``memcpy`` per piece, then its pages dropped from the process) pays a fault per few pages,
 #: which on the host since 2026-12-02 (KVM) is dear. ``benchmarks/local_reads.py CKPT --scenarios
 #: warm``, 2 threads, medians of 3: 1, 4, 8 GiB by ``preadv`` in 16 MiB steps 14.4, 26.3, 17.8
@@ -54,13 +54,31 @@ WARM_PIECE_BYTES = 256 << 20
 #: the mapping's copy (``MADV_POPULATE_READ`` first) kept the event loop on time better (8 GiB
 #: p99 2.5-3.3 ms against 2.7-4.5), but was 15-20% slower at 4 and 8 GiB warm (docs/benchmarks.md,
 #: "This host").
-PREAD_STEP_BYTES = 16 << 20
+SCATTER_BELOW_BYTES = 16 << 20
+#: The steps those ``preadv`` calls take, each followed by ``os.sched_yield()`` (``_pread_step``;
+#: a scattering read yields between its calls of up to this many bytes). The kernel here runs
+#: without preemption (``CONFIG_PREEMPT_NONE``, ``HZ`` 250): the event loop's thread, woken by its
+#: timer while both cores copied in ``preadv``, waited for the next tick to get a core, ~4 ms.
+#: Offered the core after each step, it runs once the step ends. Suite children, warm, built-in,
+#: 5 rounds alternating (2026-12-03): loop lateness p99 4 GiB 3.1-6.0 ms in 16 MiB steps without
+#: the yield, 1.7-2.0 in 8 MiB steps with it, 1.3-1.6 in 4 MiB steps; 8 GiB 3.4-4.4, 1.6-3.1,
+#: 1.2-2.1; seconds a load (medians) 0.37, 0.38, 0.41 and 0.94, 0.95, 0.98. The Qwen-shaped
+#: checkpoint (runs of 1-16 MiB tensors scattered in calls of up to 64 MiB), 6 rounds: p99
+#: 5.4-8.3 ms before, 1.7-3.0 after, 0.105 s a load (median) either way.
+PREAD_STEP_BYTES = 8 << 20
 #: Small tensors of a file all in the page cache, without a destination (a model's own
 #: ``load_weights``), are handed out in mapped views of up to this many bytes (at most a quarter of
 #: the budget), not ``chunk_bytes``: nothing is read, and each unit cost the consumer's thread a
 #: wait for the event loop. Qwen2.5-0.5B-shaped, warm, through ``load_weights``, in one process:
 #: 16 MiB 272-298 ms a load, 64 MiB 252-267, 128 MiB 238-253, 256 MiB 247-257.
 MAPPED_RUN_BYTES = 128 << 20
+
+
+def _pread_step(fd: int, buf: memoryview, offset: int, url: str) -> None:
+    """One step of a read out of the page cache, then this thread's core offered to any thread
+    waiting for one (``PREAD_STEP_BYTES``)."""
+    pread_into(fd, buf, offset, url)
+    os.sched_yield()
 
 
 def read_mode(read: str | None) -> str:
@@ -184,14 +202,14 @@ class LocalSource(Source):
             return
         await self._decided()
         cached = self._in_cache(offset, n) or not self._direct
-        if (self._shared and not self._warm) or (cached and n < PREAD_STEP_BYTES):
+        if (self._shared and not self._warm) or (cached and n < SCATTER_BELOW_BYTES):
             await self._pool.run(pread_into, self._fd, buf, offset, self.url)
         elif cached:
             if self._share_at(offset, n) < 1.0:  # the pages on disk asked for at once, not step by step
                 await self._pool.run(self._prefetch, offset, n)
             fd, step = self._fd, PREAD_STEP_BYTES
             await self._pool.run_all(
-                pread_into, [(fd, buf[o : o + step], offset + o, self.url) for o in range(0, n, step)]
+                _pread_step, [(fd, buf[o : o + step], offset + o, self.url) for o in range(0, n, step)]
             )
         else:
             assert self._direct_pool is not None and self._dio is not None  # _direct: opened with O_DIRECT
@@ -253,7 +271,7 @@ class LocalSource(Source):
         tensors this is for are copied once, by the kernel, with no buffer of aload's between."""
         fd = self._fd
         assert fd is not None, "prefetched before"
-        preadv_scatter(fd, offset, dests, self.url)
+        preadv_scatter(fd, offset, dests, self.url, PREAD_STEP_BYTES)
 
     def view(self, offset: int, length: int) -> np.ndarray[Any, Any]:
         return self._mapping()[offset : offset + length]
@@ -284,9 +302,9 @@ class LocalSource(Source):
 
     @property
     def scatter_below(self) -> int:  # type: ignore[override]
-        """Tensors under ``PREAD_STEP_BYTES`` with a destination are read in runs where all of
+        """Tensors under ``SCATTER_BELOW_BYTES`` with a destination are read in runs where all of
         the file sat in the page cache (a file on disk reads its larger ones with ``O_DIRECT``)."""
-        return PREAD_STEP_BYTES if self._warm else 0
+        return SCATTER_BELOW_BYTES if self._warm else 0
 
     @property
     def mapped_run_bytes(self) -> int:  # type: ignore[override]

@@ -146,7 +146,7 @@ async def test_a_cold_file_is_read_past_the_page_cache_straight_into_the_paramet
 async def test_a_warm_file_fills_tensors_under_16_mib_by_scattering_reads(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From a file all in the page cache, tensors with a destination under ``PREAD_STEP_BYTES``
+    """From a file all in the page cache, tensors with a destination under ``SCATTER_BELOW_BYTES``
     (a LoRA adapter's, a small model's: 1-16 MiB) are read in runs by one scattering ``preadv``
     each, not one by one through the file's mapping (populating and dropping the pages of each
     cost more than the copy: 320 MB of ~1 MiB tensors, 2.4 -> 3.6 GB/s here). Larger tensors
@@ -444,8 +444,10 @@ async def test_a_large_warm_tensor_is_read_by_preadv_in_steps(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Out of the page cache, a large tensor with a destination is read by ``preadv`` in steps of
-    ``PREAD_STEP_BYTES`` across the read threads, wherever the destination sits in its page
-    (a copy out of the mapping aliased at some), with nothing mapped or asked for ahead."""
+    ``PREAD_STEP_BYTES`` across the read threads, each thread offering its core after each step
+    (the event loop's thread waited up to a scheduler tick for one), wherever the destination
+    sits in its page (a copy out of the mapping aliased at some), with nothing mapped or asked
+    for ahead."""
     path = write({"w": torch.ones(5 * 1024, 1024)})  # 20 MiB
     path.read_bytes()
     if not cached(path):
@@ -460,8 +462,11 @@ async def test_a_large_warm_tensor_is_read_by_preadv_in_steps(
         preads.append((len(buf), threading.current_thread().name))
         real_pread(fd, buf, offset, url)
 
+    yields: list[str] = []
+    real_yield = os.sched_yield
     monkeypatch.setattr(local, "pread_into", pread_into)
     monkeypatch.setattr(local, "willneed", lambda fd, offset, length: asked.append(length))
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(threading.current_thread().name) or real_yield())
     with safe_open(str(path), "pt") as st:
         want = st.get_tensor("w").numpy().tobytes()
     async with opened(path) as src:
@@ -469,11 +474,47 @@ async def test_a_large_warm_tensor_is_read_by_preadv_in_steps(
         for delta in (64, 2048):
             dest = placed(torch.empty(n, dtype=torch.uint8), start + delta).numpy()  # delta past the source
             preads.clear()
+            yields.clear()
             await src.readinto(start, memoryview(dest))
             assert dest.tobytes() == want
-            assert sorted(size for size, _ in preads) == [4 * MiB, local.PREAD_STEP_BYTES]
+            step = local.PREAD_STEP_BYTES
+            assert sorted(size for size, _ in preads) == sorted([step] * (n // step) + ([n % step] if n % step else []))
+            assert sorted(yields) == sorted(name for _, name in preads)  # each step then offers its core
             assert threading.main_thread().name not in {name for _, name in preads}
         assert src._map is not None and src._map._array is None and asked == []  # never mapped
+
+
+@pytest.mark.skipif(libc is None or not _syscalls.IOVEC_OK, reason="scattering reads need Linux's preadv")
+def test_a_scattering_read_goes_in_steps_and_offers_the_core_between(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run of tensors filled by one scattering read is read ``step`` bytes a call at most (a
+    tensor larger than that alone), with ``os.sched_yield()`` between calls: on a kernel without
+    preemption one call over a 64 MiB run kept its core ~10 ms while the event loop waited."""
+    sizes = [3 * MiB, 3 * MiB, 10 * MiB, MiB, MiB]
+    data = np.random.default_rng(0).integers(0, 256, sum(sizes) + 100, dtype=np.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.tobytes())
+    dests = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    calls: list[int] = []
+    yields: list[int] = []
+    real_yield = os.sched_yield
+
+    class Counting:
+        def preadv(self, fd: int, iov: int, count: int, offset: int) -> int:
+            calls.append(count)
+            return int(libc.preadv(fd, iov, count, offset))
+
+    monkeypatch.setattr(_syscalls, "libc", Counting())
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(len(calls)) or real_yield())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _syscalls.preadv_scatter(fd, 100, dests, str(path), 4 * MiB)
+    finally:
+        os.close(fd)
+    assert torch.equal(torch.cat(dests), torch.from_numpy(data[100:]))
+    assert calls == [1, 1, 1, 2]  # 3 MiB, 3 MiB, then 10 MiB alone, then both 1 MiB ones
+    assert yields == [1, 2, 3]  # between calls, not before the first or after the last
 
 
 async def test_a_partly_evicted_warm_tensor_asks_for_its_pages_once_and_a_shrunk_file_is_named(
@@ -515,7 +556,8 @@ async def test_a_partly_evicted_warm_tensor_asks_for_its_pages_once_and_a_shrunk
         os.truncate(path, size - 100)
         with pytest.raises(aload.SourceError, match="ended") as info:
             await src.readinto(start, memoryview(dest))
-    assert info.value.url == str(path) and info.value.byte_range == (start + local.PREAD_STEP_BYTES, size)
+    last = start + (n - 1) // local.PREAD_STEP_BYTES * local.PREAD_STEP_BYTES  # the step the file ends in
+    assert info.value.url == str(path) and info.value.byte_range == (last, size)
 
 
 async def test_a_view_partly_evicted_is_populated_in_chunks(write: Callable[..., Path]) -> None:
