@@ -216,9 +216,8 @@ async def sweep(
     ~70 s here), and one pass in one order credits the drift to the settings that come late. A
     local checkpoint's share in the page cache can change between settings (a run reads it in):
     ``cold=True`` drops it before each, and ``uneven_cache`` says when the rows did not start
-    alike. ``report(i, n, row)`` is called
-    as each of the ``n`` runs finishes (a default grid is 24 settings), and ``progress()`` makes
-    each run's progress callback."""
+    alike. ``report(i, n, row)`` is called as each of the ``n`` runs finishes (a default grid is
+    24 settings), and ``progress()`` makes each run's progress callback."""
     grid = list(itertools.product(budgets, concurrencies, chunks))
     if not grid:
         raise UsageError("a sweep needs at least one budget, concurrency and chunk size", url=url)
