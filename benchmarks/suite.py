@@ -408,10 +408,14 @@ def ratios(rows: list[dict[str, Any]], dd: dict[str, float], budget: int = 512 <
         if "aload_lw" in med:
             line += f"; through load_weights {med['aload_lw']:.2f} = {med['aload_lw'] / peers[best]:.2f}x"
             line += _paired(rows, scenario, "aload_lw")
-        anon = max(
-            r["peak_anon_delta_bytes"] for r in rows if r["scenario"] == scenario and r["loader"].startswith("aload")
-        )
-        line += f"; aload peak anon {anon / 2**20:.0f} MiB (target <= {1.25 * budget / 2**20 + 64:.0f})"
+        # Each path's own peak: one figure for both read as the built-in loader's (stop 36 did).
+        anon = {
+            ld: max(r["peak_anon_delta_bytes"] for r in rows if r["scenario"] == scenario and r["loader"] == ld) >> 20
+            for ld in ("aload", "aload_lw")
+            if ld in med
+        }
+        line += "; peak anon " + ", ".join(f"{ld} {mib} MiB" for ld, mib in anon.items())
+        line += f" (target <= {1.25 * budget / 2**20 + 64:.0f})"
         for ld in ("aload", "aload_lw"):
             mine = [r for r in rows if r["scenario"] == scenario and r["loader"] == ld]
             if mine:
