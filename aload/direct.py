@@ -22,11 +22,11 @@ from .errors import SourceError
 #: The disk is as busy with 4 in flight as with 16 (its latency grows with the queue: 1.5 ms a
 #: read at 3.4 in flight, 5 ms at 10.8), and 16 threads coming back for the GIL held the event loop
 #: up: a cold 4 GiB load built-in 1.56-1.75 s at loop lateness p99 1.3-1.6 ms with 4, 1.88-2.22 s at
-#: 7.7-9.2 ms with 16. Since reads yield their core (``aload.local``), 8 in flight beat 4 in 11 of
-#: 13 alternating pairs of cold 4 and 8 GiB loads, built-in and through ``load_weights`` (8 GiB
-#: built-in 4.60-5.60 s against 5.12-7.59; p99 lateness 1.5-2.4 ms against 1.1-2.8); 12 no better
-#: than 8. The reads in flight are ``max(concurrency, DIRECT_DEPTH)``: a host with more cores gets
-#: more by default, and ``concurrency`` raises it for a deeper device.
+#: 7.7-9.2 ms with 16. Since reads yield their core (``aload.local``), 8 in flight beat 4 in 14 of
+#: 16 alternating pairs of cold 4 and 8 GiB loads, built-in and through ``load_weights`` (8 GiB
+#: built-in 4.60-5.60 s against 4.68-7.59; p99 lateness 1.1-2.4 ms against 1.1-2.8); 12 no better
+#: than 8 (docs/benchmarks.md). The reads in flight are ``max(concurrency, DIRECT_DEPTH)``:
+#: ``concurrency`` raises it for a deeper device.
 DIRECT_PIECE_BYTES = 1 << 20
 DIRECT_DEPTH = 8
 #: Reads smaller than this (headers, coalesced small tensors) stay buffered, even from a cold file.
