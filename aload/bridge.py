@@ -35,6 +35,14 @@ _WAKE_BATCH = 16
 _MAX_UNITS = 4
 
 
+#: Units of at most this many tensors (a large tensor is a unit of its own) are cut on the loop
+#: as they are queued, so that the consumer's thread goes from one ``copy_()`` to the next with a
+#: ``popleft``: right after a copy of up to ~100 MiB has flushed the CPU's caches, each torch call
+#: of the cut took 50-300 us there (4 GiB warm through ``load_weights``, suite children, 4 rounds
+#: each way: the gaps between the model's copies 28-34 -> 23-27 ms of a 0.2-0.5 s load). A run of
+#: many small tensors is still cut by the consumer, a run at a time (see ``_entries``).
+_PRECUT = 2
+
 #: The end of a run of pairs (``SyncBridge._run``): ``iter(run.popleft, _END)`` stops there. Not a
 #: tuple, which would be compared with each pair's tensor.
 _END = object()
@@ -49,11 +57,12 @@ class LoadCancelled(BaseException):
 class _Batch:
     """A whole unit handed over at once: the consumer cuts its tensors on its own thread."""
 
-    __slots__ = ("base", "unit")
+    __slots__ = ("base", "pairs", "unit")
 
     def __init__(self, unit: Unit, base: UnitView | None) -> None:
         self.unit = unit
         self.base = base
+        self.pairs: collections.deque[Any] | None = None  # cut already, on the loop (``_PRECUT``)
 
 
 class SyncBridge(Iterator[Pair]):
@@ -83,7 +92,8 @@ class SyncBridge(Iterator[Pair]):
     async def _entries(self) -> AsyncIterator[Pair | _Batch]:
         """Pairs, or whole units where no tensor stage needs to see the pairs: then the loop
         does no work per tensor (cutting one is a torch call, and each torch call on the loop
-        let the consumer's thread take the GIL mid-unit: a hand-off per tensor)."""
+        let the consumer's thread take the GIL mid-unit: a hand-off per tensor), except for units
+        of at most ``_PRECUT`` tensors, cut here (a few calls a unit, for large tensors)."""
         stream = self._stream
         if not stream.cuts_later:
             async for pair in stream:
@@ -95,7 +105,14 @@ class SyncBridge(Iterator[Pair]):
             delivered = [item for item in unit.items if not item.skip]
             if delivered:
                 reader.account(unit, sum(item.spec.nbytes for item in delivered), len(delivered))
-                yield _Batch(unit, base)
+                batch = _Batch(unit, base)
+                if len(unit.items) <= _PRECUT and not unit.scatter:
+                    run, j = run_at(unit, base, 0)
+                    if j == len(unit.items):
+                        batch.pairs, batch.base = run, None
+                    del run
+                yield batch
+                del batch
             del base
 
     async def pump(self) -> None:
@@ -207,6 +224,8 @@ class SyncBridge(Iterator[Pair]):
                 self._pump_waiting = False
                 self._call(self._room.set)
             if type(entry) is _Batch:
+                if entry.pairs is not None:
+                    return self._hand_out(entry.pairs, False)
                 unit = entry.unit
                 if unit.scatter and not unit.filled:  # copied out of the page cache into the destinations, here
                     unit.source.scatter_into(unit.start, [item.dest for item in unit.items])

@@ -488,6 +488,49 @@ def _mixed(n: int = 700) -> dict[str, torch.Tensor]:
     return out
 
 
+async def test_large_tensors_are_cut_on_the_loop_runs_of_small_ones_by_the_consumer(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through ``load_weights``, a unit of one or two tensors is cut on the event loop's thread as
+    it is queued (``bridge._PRECUT``), a run of many small ones on the consumer's; either way each
+    tensor is the file's own and not held once the model drops it."""
+    import threading
+    import weakref
+
+    from aload import bridge
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"big{i}": torch.randn(3 * MiB // 8, 2, generator=g) for i in range(3)}  # 3 MiB each
+    tensors.update({f"small{i:03d}": torch.randn(64, generator=g) for i in range(40)})
+    path = write(tensors)
+    cut_on: dict[str, int] = {}
+    run_at = bridge.run_at
+
+    def recorded(unit: object, view: object, i: int) -> object:
+        run, j = run_at(unit, view, i)  # type: ignore[arg-type]
+        cut_on.update((name, threading.get_ident()) for name, _ in run)
+        return run, j
+
+    monkeypatch.setattr(bridge, "run_at", recorded)
+    consumer: set[int] = set()
+
+    class Model(torch.nn.Module):
+        def load_weights(self, weights: object) -> None:
+            consumer.add(threading.get_ident())
+            for name, t in weights:  # type: ignore[attr-defined]
+                assert torch.equal(t, tensors[name]), name
+                ref = weakref.ref(t)
+                del t
+                assert ref() is None, name
+
+    await aload.load(Model(), path, chunk_bytes=MiB)
+    loop_thread = threading.get_ident()
+    assert sorted(cut_on) == sorted(tensors)
+    assert consumer and loop_thread not in consumer
+    assert all(cut_on[f"big{i}"] == loop_thread for i in range(3))
+    assert all(cut_on[n] in consumer for n in tensors if n.startswith("small"))
+
+
 async def test_tensors_cut_in_runs_are_the_files_own_and_not_held(write: Callable[..., Path]) -> None:
     """A unit's tensors are cut from its buffer in runs (``arena.run_at``). Through the stream and
     through ``load_weights`` (with pruned tensors read for a digest among them), each is the file's
