@@ -59,10 +59,10 @@ class _Batch:
 
     __slots__ = ("base", "pairs", "unit")
 
-    def __init__(self, unit: Unit, base: UnitView | None) -> None:
+    def __init__(self, unit: Unit, base: UnitView | None, pairs: collections.deque[Any] | None = None) -> None:
         self.unit = unit
         self.base = base
-        self.pairs: collections.deque[Any] | None = None  # cut already, on the loop (``_PRECUT``)
+        self.pairs = pairs  # cut already, on the loop (``_PRECUT``); then ``base`` is None
 
 
 class SyncBridge(Iterator[Pair]):
@@ -105,14 +105,17 @@ class SyncBridge(Iterator[Pair]):
             delivered = [item for item in unit.items if not item.skip]
             if delivered:
                 reader.account(unit, sum(item.spec.nbytes for item in delivered), len(delivered))
-                batch = _Batch(unit, base)
                 if len(unit.items) <= _PRECUT and not unit.scatter:
-                    run, j = run_at(unit, base, 0)
-                    if j == len(unit.items):
-                        batch.pairs, batch.base = run, None
+                    pairs: collections.deque[Any] = collections.deque()
+                    j = 0
+                    while j < len(unit.items):  # a run per dtype
+                        run, j = run_at(unit, base, j)
+                        pairs.extend(run)
                     del run
-                yield batch
-                del batch
+                    yield _Batch(unit, None, pairs)
+                    del pairs
+                else:
+                    yield _Batch(unit, base)
             del base
 
     async def pump(self) -> None:

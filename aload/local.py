@@ -45,9 +45,10 @@ WARM_PIECE_BYTES = 256 << 20
 #: file all in the page cache, in a run of them by one scattering ``preadv`` (``scatter_below``);
 #: a larger one in steps of ``PREAD_STEP_BYTES`` across the read threads. Copying out of the
 #: file's mapping instead (one ``memcpy`` per piece, then its pages dropped from the process)
-#: pays a fault per few pages, which on the host since 2026-12-02 (KVM) is dear. ``benchmarks/local_reads.py CKPT --scenarios
-#: warm``, 2 threads, medians of 3: 1, 4, 8 GiB by ``preadv`` in 16 MiB steps 14.4, 26.3, 17.8
-#: GB/s, out of the mapping in 256 MiB pieces 11.9, 15.5, 13.8. Suite children, warm, 3 rounds
+#: pays a fault per few pages, which on the host since 2026-12-02 (KVM) is dear.
+#: ``benchmarks/local_reads.py CKPT --scenarios warm``, 2 threads, medians of 3: 1, 4, 8 GiB by
+#: ``preadv`` in 16 MiB steps 14.4, 26.3, 17.8 GB/s, out of the mapping in 256 MiB pieces 11.9,
+#: 15.5, 13.8. Suite children, warm, 3 rounds
 #: alternating: 4 GiB 261-306 ms a load against 314-454, 8 GiB 503-576 against 794-884. On the VM
 #: measured before, glibc's non-temporal stores (copies past 99 MiB) made the mapping's ``memcpy``
 #: the faster (11 GB/s a thread against ~5 for ``preadv``). On the CPU the host got on 2026-12-03,
