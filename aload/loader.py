@@ -49,6 +49,7 @@ class LoadReport:
     verified_shards: int = 0  # shards whose SHA-256 matched (``verify=``)
     opened_s: float | None = None  # the checkpoint open (index and headers parsed), from the call
     planned_s: float | None = None  # the plan made, from the call (the model's walk comes first)
+    warm_copy: str | None = None  # "pread" or "map": how bytes came out of the page cache (aload.warmcopy)
 
     def summary(self) -> str:
         return (
@@ -58,7 +59,11 @@ class LoadReport:
             f"post-processing {self.postprocess_s:.3f} s; missing {len(self.missing)}, "
             f"unexpected {len(self.unexpected)}"
             + (f"; SHA-256 verified for {self.verified_shards} shard(s)" if self.verified_shards else "")
+            + (f"; page cache copied by {_COPY_WORDS[self.warm_copy]}" if self.warm_copy else "")
         )
+
+
+_COPY_WORDS = {"pread": "preadv", "map": "memcpy out of the mapping"}
 
 
 def _device(model: nn.Module, device: str | torch.device | None) -> torch.device:
@@ -153,6 +158,7 @@ async def load(
         budget_wait_s=stats.budget_wait_s,
         overdraft_bytes=stats.overdraft_bytes,
         direct_bytes=stats.direct_bytes,
+        warm_copy=stats.warm_copy,
         load_s=done.load_s,
         postprocess_s=done.postprocess_s,
         installed=len(done.names),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
@@ -24,6 +25,7 @@ from .errors import SourceError, UsageError
 from .mapping import FileMapping, check_length
 from .pagecache import ALL_CACHED, WARM_SHARE, Residency, share_of
 from .sources import IOPool, Source, Store
+from .warmcopy import MAP, PREAD, CopyChoice, copy_mode
 
 T = TypeVar("T")
 
@@ -42,10 +44,11 @@ READ_ENV = "ALOAD_READ"
 WARM_PIECE_BYTES = 256 << 20
 #: Bytes in the page cache with a destination are read by ``preadv`` (the kernel's copy, straight
 #: from the page cache into the destination): a tensor under this size in one call, or, from a
-#: file all in the page cache, in a run of them by one scattering ``preadv`` (``scatter_below``);
-#: a larger one in steps of ``PREAD_STEP_BYTES`` across the read threads. Copying out of the
-#: file's mapping instead (one ``memcpy`` per piece, then its pages dropped from the process)
-#: pays a fault per few pages, which on the host since 2026-12-02 (KVM) is dear.
+#: file all in the page cache, in a run of them by one scattering ``preadv`` (``scatter_below``).
+#: A larger one goes in steps of ``PREAD_STEP_BYTES`` across the read threads, each step by
+#: ``preadv`` or by a ``memcpy`` out of the file's mapping (its pages dropped from the process
+#: after), whichever the load's timings say is the faster now (``aload.warmcopy``): which one wins
+#: has changed from host to host and from hour to hour. 2026-12-02, by ``preadv`` first:
 #: ``benchmarks/local_reads.py CKPT --scenarios warm``, 2 threads, medians of 3: 1, 4, 8 GiB by
 #: ``preadv`` in 16 MiB steps 14.4, 26.3, 17.8 GB/s, out of the mapping in 256 MiB pieces 11.9,
 #: 15.5, 13.8. Suite children, warm, 3 rounds
@@ -54,7 +57,8 @@ WARM_PIECE_BYTES = 256 << 20
 #: the faster (11 GB/s a thread against ~5 for ``preadv``). On the CPU the host got on 2026-12-03,
 #: the mapping's copy (``MADV_POPULATE_READ`` first) kept the event loop on time better (8 GiB
 #: p99 2.5-3.3 ms against 2.7-4.5), but was 15-20% slower at 4 and 8 GiB warm (docs/benchmarks.md,
-#: "This host").
+#: "This host"). On 2026-12-03 20:23 UTC, 8 MiB steps: 4 and 8 GiB by ``preadv`` 11.3 and 11.0
+#: GB/s, out of the mapping 13.7 and 15.1.
 SCATTER_BELOW_BYTES = 16 << 20
 #: The steps those ``preadv`` calls take, each followed by ``os.sched_yield()`` (``_pread_step``;
 #: a scattering read yields between its calls of up to this many bytes). The kernel here runs
@@ -73,13 +77,6 @@ PREAD_STEP_BYTES = 8 << 20
 #: wait for the event loop. Qwen2.5-0.5B-shaped, warm, through ``load_weights``, in one process:
 #: 16 MiB 272-298 ms a load, 64 MiB 252-267, 128 MiB 238-253, 256 MiB 247-257.
 MAPPED_RUN_BYTES = 128 << 20
-
-
-def _pread_step(fd: int, buf: memoryview, offset: int, url: str) -> None:
-    """One step of a read out of the page cache, then this thread's core offered to any thread
-    waiting for one (``PREAD_STEP_BYTES``)."""
-    pread_into(fd, buf, offset, url)
-    os.sched_yield()
 
 
 def read_mode(read: str | None) -> str:
@@ -142,8 +139,11 @@ class LocalSource(Source):
     """A local file read in the store's thread pool. It is opened once and kept open (and mapped at
     first need, in "map" mode), so a file replaced on disk mid-load is not mixed with its successor."""
 
-    def __init__(self, path: str, pool: IOPool, mode: str, direct_pool: IOPool | None = None) -> None:
+    def __init__(
+        self, path: str, pool: IOPool, mode: str, direct_pool: IOPool | None = None, choice: CopyChoice | None = None
+    ) -> None:
         self.url = path
+        self._choice = choice if choice is not None else CopyChoice(copy_mode())
         self.can_map = mode in ("map", "shared") and libc is not None
         # "shared": a file not all in the page cache when first read comes into a destination by the
         # kernel's copy, cached parts too (with two processes reading the same files, a copy out
@@ -208,16 +208,28 @@ class LocalSource(Source):
         elif cached:
             if self._share_at(offset, n) < 1.0:  # the pages on disk asked for at once, not step by step
                 await self._pool.run(self._prefetch, offset, n)
-            fd, step = self._fd, PREAD_STEP_BYTES
-            await self._pool.run_all(
-                _pread_step, [(fd, buf[o : o + step], offset + o, self.url) for o in range(0, n, step)]
-            )
+            step = PREAD_STEP_BYTES
+            await self._pool.run_all(self._copy_step, [(buf[o : o + step], offset + o) for o in range(0, n, step)])
         else:
             assert self._direct_pool is not None and self._dio is not None  # _direct: opened with O_DIRECT
             await self._direct_pool.start_from(self._pool)
             step = DIRECT_PIECE_BYTES
             pieces = [(offset + o, buf[o : o + step]) for o in range(0, n, step)]
             await self._direct_pool.run_all(self._dio.read_bounced, pieces)
+
+    def _copy_step(self, buf: memoryview, offset: int) -> None:
+        """One step of a copy out of the page cache, by ``preadv`` or out of the mapping as the
+        load's ``CopyChoice`` says (and timed for it), then this thread's core offered to any
+        thread waiting for one (``PREAD_STEP_BYTES``)."""
+        assert self._fd is not None
+        m, choice = self._map, self._choice
+        way = choice.pick(len(buf)) if m is not None else PREAD
+        t = time.perf_counter_ns()
+        if way != MAP or m is None or not m.copy_into(offset, buf):
+            way = PREAD
+            pread_into(self._fd, buf, offset, self.url)
+        choice.record(way, len(buf), time.perf_counter_ns() - t)
+        os.sched_yield()
 
     def frame_align(self, offset: int, length: int) -> int:
         """Bytes on disk read with ``O_DIRECT`` go straight into a buffer aligned as the file is:
@@ -401,6 +413,8 @@ class LocalStore(Store):
         self._pool = IOPool(concurrency)
         self._direct_pool = IOPool(max(concurrency, DIRECT_DEPTH))  # started by a first cold read
         self._sources: dict[str, LocalSource] = {}
+        #: How this load copies out of the page cache (``aload.warmcopy``): one choice for its files.
+        self.copy_choice = CopyChoice(copy_mode())
 
     async def kind(self) -> str:
         if os.path.isdir(self.url):
@@ -412,7 +426,7 @@ class LocalStore(Store):
     def source(self, name: str) -> Source:
         path = self.url if name == "" else os.path.join(self.url, name)
         if path not in self._sources:
-            self._sources[path] = LocalSource(path, self._pool, self._read, self._direct_pool)
+            self._sources[path] = LocalSource(path, self._pool, self._read, self._direct_pool, self.copy_choice)
         return self._sources[path]
 
     async def list(self, suffix: str) -> list[str]:

@@ -171,6 +171,8 @@ class TensorStream:
                     await aclose()
             if self.reader is not None:
                 await self.reader.aclose()
+                choice = getattr(self.checkpoint.store, "copy_choice", None) if self.checkpoint else None
+                self.reader.stats.warm_copy = choice.chosen if choice is not None else None
         finally:
             if self._ahead is not None:
                 await self._ahead.aclose()

@@ -61,6 +61,9 @@ class ReaderStats:
     # before the first tensor (``ttft_s``), most of it on many small tensors.
     opened_s: float | None = None
     planned_s: float | None = None
+    # How most bytes from the page cache came into their destinations, "pread" or "map"
+    # (``aload.warmcopy``); None where none did (a remote store, views handed out, a cold file).
+    warm_copy: str | None = None
 
 
 def first_tensor(ttft_s: float | None, opened_s: float | None, planned_s: float | None) -> str:

@@ -300,10 +300,10 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
         cpu0 = time.process_time()
         async with Probe() as probe:
             t0 = time.perf_counter()
-            if loader == "aload":
-                ttft = (await aload.load(model, folder)).ttft_s
-            elif loader == "aload_lw":
-                ttft = (await aload.load(Engine(), folder)).ttft_s
+            warm_copy = None
+            if loader in ("aload", "aload_lw"):
+                report = await aload.load(model if loader == "aload" else Engine(), folder)
+                ttft, warm_copy = report.ttft_s, report.warm_copy
             else:
                 await asyncio.to_thread(blocking)
                 ttft = first[0] - t0 if first else None
@@ -313,6 +313,7 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
             "seconds": seconds,
             "ttft_s": ttft,
             "cpu_s": time.process_time() - cpu0,
+            "warm_copy": warm_copy,  # aload: how the page cache was copied ("pread", "map", None)
             **probe.row(),
             "mem_trace": [(round(t, 4), a, r) for t, a, r in trace],
         }

@@ -24,12 +24,13 @@ from safetensors import safe_open
 from torch import nn
 
 import aload
-from aload import _syscalls, local, mapping, pagecache
+from aload import _syscalls, local, mapping, pagecache, warmcopy
 from aload._syscalls import all_cached, libc, window_pages
 from aload.arena import byte_view
 from aload.direct import DIRECT_PIECE_BYTES, DirectFile
 from aload.local import WARM_PIECE_BYTES, LocalSource
 from aload.sources import IOPool
+from aload.warmcopy import MAP, PREAD, CopyChoice
 
 from .conftest import collect, drop_cache, llama_like
 
@@ -81,9 +82,11 @@ def cold_blob(tmp_path: Path, n: int, seed: int) -> tuple[bytes, Path]:
 
 
 @contextlib.asynccontextmanager
-async def opened(path: Path) -> AsyncIterator[LocalSource]:
+async def opened(path: Path, copy: CopyChoice | None = None) -> AsyncIterator[LocalSource]:
+    """The file as a load reads it, copying out of the page cache by ``preadv`` unless ``copy``
+    says otherwise."""
     pool, direct = IOPool(2), IOPool(4)
-    src = LocalSource(str(path), pool, "map", direct)
+    src = LocalSource(str(path), pool, "map", direct, copy or CopyChoice("pread"))
     try:
         await src.size()
         yield src
@@ -150,7 +153,8 @@ async def test_a_warm_file_fills_tensors_under_16_mib_by_scattering_reads(
     (a LoRA adapter's, a small model's: 1-16 MiB) are read in runs by one scattering ``preadv``
     each, not one by one through the file's mapping (populating and dropping the pages of each
     cost more than the copy: 320 MB of ~1 MiB tensors, 2.4 -> 3.6 GB/s here). Larger tensors
-    are read by ``preadv`` too, in steps: the file is never mapped."""
+    go in steps, by ``preadv`` where the load's choice says so: the file is then never mapped."""
+    monkeypatch.setenv(warmcopy.COPY_ENV, "pread")
     mapped: list[str] = []
     real = mapping.map_private
     monkeypatch.setattr(mapping, "map_private", lambda fd, size, url: mapped.append(url) or real(fd, size, url))
@@ -515,6 +519,107 @@ def test_a_scattering_read_goes_in_steps_and_offers_the_core_between(
     assert torch.equal(torch.cat(dests), torch.from_numpy(data[100:]))
     assert calls == [1, 1, 1, 2]  # 3 MiB, 3 MiB, then 10 MiB alone, then both 1 MiB ones
     assert yields == [1, 2, 3]  # between calls, not before the first or after the last
+
+
+def rss_file() -> int:
+    """This process's resident pages of files, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) << 10
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_READ is Linux's")
+async def test_a_large_warm_tensor_can_be_copied_out_of_the_mapping_which_then_lets_its_pages_go(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the load's choice says so, a large tensor out of the page cache is copied out of the
+    file's mapping in the same steps across the read threads (a tail under ``CHOOSE_MIN_BYTES``
+    by ``preadv``), each step's pages dropped from the process after its copy, so the process
+    does not keep the file resident; a file that shrank is named with the step's bytes."""
+    path = write({"w": torch.ones(5 * 1024, 1024)})  # 20 MiB: steps of 8, 8 and 4 MiB
+    path.read_bytes()
+    if not cached(path):
+        pytest.skip("the file did not stay in the page cache")
+    start = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    size = path.stat().st_size
+    n = size - start
+    preads: list[int] = []
+    real_pread = local.pread_into
+    monkeypatch.setattr(
+        local, "pread_into", lambda fd, buf, offset, url: preads.append(len(buf)) or real_pread(fd, buf, offset, url)
+    )
+    with safe_open(str(path), "pt") as st:
+        want = st.get_tensor("w").numpy().tobytes()
+    choice = CopyChoice("map")
+    async with opened(path, choice) as src:
+        await src.ready()
+        before = rss_file()
+        for delta in (64, 2048):
+            dest = placed(torch.empty(n, dtype=torch.uint8), start + delta).numpy()
+            await src.readinto(start, memoryview(dest))
+            assert dest.tobytes() == want
+        assert src._map is not None and src._map._array is not None  # mapped
+        assert rss_file() - before < 4 * MiB  # 20 MiB copied twice, its pages let go
+        assert preads == [] and choice.counts == [0, 6] and choice.chosen == "map"
+        n_small = 3 * MiB
+        await src.readinto(start, memoryview(dest)[:n_small])  # under CHOOSE_MIN_BYTES: preadv, untimed
+        assert dest[:n_small].tobytes() == want[:n_small] and preads == [n_small] and choice.counts == [0, 6]
+    path.read_bytes()
+    async with opened(path, CopyChoice("map")) as src:
+        await src.ready()
+        os.truncate(path, size - 100)
+        with pytest.raises(aload.SourceError, match="shrank") as info:
+            await src.readinto(start, memoryview(dest))
+    last = start + (n - 1) // local.PREAD_STEP_BYTES * local.PREAD_STEP_BYTES  # the step the file ends in
+    assert info.value.url == str(path) and info.value.byte_range == (last, start + n)
+
+
+async def test_a_load_times_both_copies_and_takes_the_faster(write: Callable[..., Path]) -> None:
+    """ "auto": the first steps go both ways (concurrent steps different ways), both timed; the
+    load then takes the faster, and says which."""
+    path = write({"w": torch.ones(16 * 1024, 1024)})  # 64 MiB: eight steps
+    path.read_bytes()
+    if not cached(path):
+        pytest.skip("the file did not stay in the page cache")
+    start = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    n = path.stat().st_size - start
+    choice = CopyChoice("auto")
+    async with opened(path, choice) as src:
+        dest = torch.zeros(n, dtype=torch.uint8).numpy()
+        await src.readinto(start, memoryview(dest))
+        assert dest.tobytes() == path.read_bytes()[start:]
+    assert choice.counts[PREAD] >= 1 and choice.counts[MAP] >= 1 and sum(choice.counts) == 8
+    model = flat({"w": torch.zeros(16 * 1024, 1024)})
+    report = await aload.load(model, path)
+    assert report.warm_copy in ("pread", "map") and torch.equal(model.w, torch.ones(16 * 1024, 1024))
+
+
+def test_the_choice_alternates_then_prefers_the_faster_and_looks_at_the_other_now_and_then() -> None:
+    step = 8 * MiB
+    choice = CopyChoice("auto")
+    first = [choice.pick(step) for _ in range(4)]
+    assert first == [PREAD, MAP, PREAD, MAP]
+    for way, ns in ((PREAD, 100), (MAP, 60), (PREAD, 110), (MAP, 70), (PREAD, 90), (MAP, 65)):
+        choice.record(way, step, ns * step)
+    picks = [choice.pick(step) for _ in range(2 * warmcopy.EXPLORE)]
+    assert picks.count(PREAD) == 2 and picks.count(MAP) == 2 * warmcopy.EXPLORE - 2  # one in EXPLORE looks again
+    for _ in range(warmcopy.WINDOW):  # the mapping turns slow: the latest timings decide
+        choice.record(MAP, step, 300 * step)
+    assert choice.pick(step) == PREAD or choice.pick(step) == PREAD
+    assert choice.pick(warmcopy.CHOOSE_MIN_BYTES - 1) == PREAD  # a small step: preadv
+    choice.record(MAP, MiB, 1)  # and it is not timed
+    assert choice.counts == [3, 8]
+    assert CopyChoice("map").pick(step) == MAP and CopyChoice("pread").pick(step) == PREAD
+
+
+async def test_a_copy_mode_not_known_is_refused_naming_the_variable(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write({"w": torch.ones(4, 4)})
+    monkeypatch.setenv(warmcopy.COPY_ENV, "mmap")
+    with pytest.raises(aload.UsageError, match="ALOAD_WARM_COPY must be one of"):
+        await aload.load(flat({"w": torch.zeros(4, 4)}), path)
 
 
 async def test_a_partly_evicted_warm_tensor_asks_for_its_pages_once_and_a_shrunk_file_is_named(
