@@ -60,7 +60,7 @@ WARM_PIECE_BYTES = 256 << 20
 #: "This host"). On 2026-12-03 20:23 UTC, 8 MiB steps: 4 and 8 GiB by ``preadv`` 11.3 and 11.0
 #: GB/s, out of the mapping 13.7 and 15.1.
 SCATTER_BELOW_BYTES = 16 << 20
-#: The steps those ``preadv`` calls take, each followed by ``os.sched_yield()`` (``_pread_step``;
+#: The steps those ``preadv`` calls take, each followed by ``os.sched_yield()`` (``_copy_step``;
 #: a scattering read yields between its calls of up to this many bytes). The kernel here runs
 #: without preemption (``CONFIG_PREEMPT_NONE``, ``HZ`` 250): the event loop's thread, woken by its
 #: timer while both cores copied in ``preadv``, waited for the next tick to get a core, ~4 ms.

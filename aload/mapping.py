@@ -97,8 +97,8 @@ class FileMapping:
     def release(self, offset: int, length: int) -> None:
         """Drop the whole pages inside the range from this process (neighbours may share the
         pages at its ends); they stay in the page cache. Called after ``copy_into``, and on the
-        thread that drops the last tensor viewing them, the consumer's: on a read thread instead, 8 GiB warm through
-        ``load_weights`` ran ~8% faster and the event loop later (p99 5.0-8.1 ms against 3.2-4.3)."""
+        thread that drops the last tensor viewing them, the consumer's: on a read thread
+        instead, 8 GiB warm through ``load_weights`` ran ~8% faster and the event loop later (p99 5.0-8.1 ms against 3.2-4.3)."""
         arr = self._array  # a local reference keeps the mapping alive during the call
         lo, hi = -(-offset // PAGE) * PAGE, (offset + length) // PAGE * PAGE
         if arr is not None and libc is not None and hi > lo:

@@ -2,9 +2,9 @@
 now: the kernel's (``preadv``) or a ``memcpy`` out of the file's private mapping.
 
 Neither wins everywhere, nor on one host all day. On the KVM guest measured here
-(``benchmarks/local_reads.py CKPT --scenarios warm``, 2 threads, 8 MiB steps), ``preadv`` ran at
-14.4-26.3 GB/s against the mapping's 11.9-15.5 one day and at 11.0-11.3 against 13.7-15.1 two
-days later; loaders that copy out of a mapping (``safe_open``, ``load_file``) rose and fell with
+(``benchmarks/local_reads.py CKPT --scenarios warm``, 2 threads, 4 and 8 GiB), ``preadv`` ran at
+17.8-26.3 GB/s against the mapping's 13.8-15.5 on 2026-12-02 and at 11.0-11.3 against 13.7-15.1
+on the evening of 2026-12-03 (docs/benchmarks.md, "Warm copies chosen at run time"); loaders that copy out of a mapping (``safe_open``, ``load_file``) rose and fell with
 it. So each load times its first steps both ways, takes the faster, and keeps timing the other
 now and then (``EXPLORE``), in case the hour turns mid-load.
 """

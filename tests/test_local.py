@@ -521,6 +521,16 @@ def test_a_scattering_read_goes_in_steps_and_offers_the_core_between(
     assert yields == [1, 2, 3]  # between calls, not before the first or after the last
 
 
+def warm_file(write: Callable[..., Path], tensors: dict[str, torch.Tensor]) -> tuple[Path, int]:
+    """``tensors`` written, the file brought into the page cache (the test skipped where it did
+    not stay), and where its data starts."""
+    path = write(tensors)
+    path.read_bytes()
+    if not cached(path):
+        pytest.skip("the file did not stay in the page cache")
+    return path, 8 + int.from_bytes(path.read_bytes()[:8], "little")
+
+
 def rss_file() -> int:
     """This process's resident pages of files, in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -537,11 +547,7 @@ async def test_a_large_warm_tensor_can_be_copied_out_of_the_mapping_which_then_l
     file's mapping in the same steps across the read threads (a tail under ``CHOOSE_MIN_BYTES``
     by ``preadv``), each step's pages dropped from the process after its copy, so the process
     does not keep the file resident; a file that shrank is named with the step's bytes."""
-    path = write({"w": torch.ones(5 * 1024, 1024)})  # 20 MiB: steps of 8, 8 and 4 MiB
-    path.read_bytes()
-    if not cached(path):
-        pytest.skip("the file did not stay in the page cache")
-    start = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    path, start = warm_file(write, {"w": torch.ones(5 * 1024, 1024)})  # 20 MiB: steps of 8, 8 and 4 MiB
     size = path.stat().st_size
     n = size - start
     preads: list[int] = []
@@ -578,11 +584,7 @@ async def test_a_large_warm_tensor_can_be_copied_out_of_the_mapping_which_then_l
 async def test_a_load_times_both_copies_and_takes_the_faster(write: Callable[..., Path]) -> None:
     """ "auto": the first steps go both ways (concurrent steps different ways), both timed; the
     load then takes the faster, and says which."""
-    path = write({"w": torch.ones(16 * 1024, 1024)})  # 64 MiB: eight steps
-    path.read_bytes()
-    if not cached(path):
-        pytest.skip("the file did not stay in the page cache")
-    start = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    path, start = warm_file(write, {"w": torch.ones(16 * 1024, 1024)})  # 64 MiB: eight steps
     n = path.stat().st_size - start
     choice = CopyChoice("auto")
     async with opened(path, choice) as src:
@@ -628,11 +630,9 @@ async def test_a_partly_evicted_warm_tensor_asks_for_its_pages_once_and_a_shrunk
     """A large tensor mostly in the page cache is read by ``preadv`` in steps too, its bytes
     asked for once ahead (``WILLNEED``), not read step by step from the disk; a file that shrank
     since it was opened fails with its name and the bytes asked for."""
-    path = write({"w": torch.ones(5 * 1024, 1024)})  # 20 MiB: five of the windows the cache is judged by
-    path.read_bytes()
-    if not cached(path):
-        pytest.skip("the file did not stay in the page cache")
-    start = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    path, start = warm_file(
+        write, {"w": torch.ones(5 * 1024, 1024)}
+    )  # 20 MiB: five of the windows the cache is judged by
     size = path.stat().st_size
     n = size - start
     asked: list[tuple[int, int]] = []
