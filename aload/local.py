@@ -139,11 +139,9 @@ class LocalSource(Source):
     """A local file read in the store's thread pool. It is opened once and kept open (and mapped at
     first need, in "map" mode), so a file replaced on disk mid-load is not mixed with its successor."""
 
-    def __init__(
-        self, path: str, pool: IOPool, mode: str, direct_pool: IOPool | None = None, choice: CopyChoice | None = None
-    ) -> None:
+    def __init__(self, path: str, pool: IOPool, mode: str, direct_pool: IOPool | None, choice: CopyChoice) -> None:
         self.url = path
-        self._choice = choice if choice is not None else CopyChoice(copy_mode())
+        self._choice = choice  # the load's, shared by its files
         self.can_map = mode in ("map", "shared") and libc is not None
         # "shared": a file not all in the page cache when first read comes into a destination by the
         # kernel's copy, cached parts too (with two processes reading the same files, a copy out

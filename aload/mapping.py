@@ -52,42 +52,42 @@ class FileMapping:
         """Fault in the pages of ``offset..offset + length``, from the disk where they are not cached."""
         arr = self.array()
         check_length(self._fd, offset, length, self.url)
-        first = offset - offset % PAGE
         # Exactly these bytes asked for first: a fault on a missing page reads around it
         # (``read_ahead_kb``, 8 MiB on the VM measured), into neighbours read with O_DIRECT.
         willneed(self._fd, offset, length)
-        if self._populate_read:
-            # One call faults the range in (with the kernel's readahead) and lets go of the GIL
-            # throughout: touching pages from numpy holds it for small ranges, and on a cold
-            # disk each fault waits for the device while the event loop waits for the GIL.
-            err = madvise_in_steps(arr.ctypes.data + first, offset + length - first, MADV_POPULATE_READ)
-            if err == 0:
-                return
-            if err == errno.EFAULT:  # a page past the end of the file: it shrank after the check
-                raise SourceError("file shrank since it was opened", url=self.url, byte_range=(offset, offset + length))
-            if err == errno.EINVAL:  # a kernel before 5.14: touch the pages instead, from now on
-                self._populate_read = False
-        int(arr[first : offset + length : PAGE].max())  # one read per page faults it in
+        if not self._populated(arr, offset, length):
+            first = offset - offset % PAGE
+            int(arr[first : offset + length : PAGE].max())  # one read per page faults it in
+
+    def _populated(self, arr: np.ndarray[Any, Any], offset: int, length: int) -> bool:
+        """Map the range's pages by ``MADV_POPULATE_READ`` (the length checked before): one call
+        faults the range in (with the kernel's readahead) and lets go of the GIL throughout
+        (touching pages from numpy holds it for small ranges, and on a cold disk each fault
+        waits for the device while the event loop waits for the GIL). False where the kernel
+        cannot (before 5.14: never asked again)."""
+        if not self._populate_read:
+            return False
+        first = offset - offset % PAGE
+        err = madvise_in_steps(arr.ctypes.data + first, offset + length - first, MADV_POPULATE_READ)
+        if err == errno.EFAULT:  # a page past the end of the file: it shrank after the check
+            raise SourceError("file shrank since it was opened", url=self.url, byte_range=(offset, offset + length))
+        if err == errno.EINVAL:
+            self._populate_read = False
+        return err == 0
 
     def copy_into(self, offset: int, buf: memoryview) -> bool:
         """Copy the file's bytes at ``offset`` into ``buf`` out of the mapping: its pages mapped
-        first (``MADV_POPULATE_READ``, after the length check: touching a page past the end of
-        the file would kill the process), then one ``memcpy`` on this thread, then the pages
-        dropped from the process again. False, with nothing copied, where the kernel cannot
-        populate (before 5.14): the caller reads them instead. A file cut short between the
-        populate and the copy still kills the process, as with any mapped loader."""
+        first (after the length check: touching a page past the end of the file would kill the
+        process), then one ``memcpy`` on this thread, then the pages dropped from the process
+        again. False, with nothing copied, where the kernel cannot populate: the caller reads
+        them instead. A file cut short between the populate and the copy still kills the
+        process, as with any mapped loader."""
         if not self._populate_read:
             return False
         arr = self.array()
         n = len(buf)
         check_length(self._fd, offset, n, self.url)
-        first = offset - offset % PAGE
-        err = madvise_in_steps(arr.ctypes.data + first, offset + n - first, MADV_POPULATE_READ)
-        if err == errno.EFAULT:  # a page past the end of the file: it shrank after the check
-            raise SourceError("file shrank since it was opened", url=self.url, byte_range=(offset, offset + n))
-        if err:
-            if err == errno.EINVAL:
-                self._populate_read = False
+        if not self._populated(arr, offset, n):
             return False
         assert libc is not None
         libc.memcpy(np.frombuffer(buf, dtype=np.uint8).ctypes.data, arr.ctypes.data + offset, n)

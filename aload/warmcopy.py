@@ -4,8 +4,8 @@ now: the kernel's (``preadv``) or a ``memcpy`` out of the file's private mapping
 Neither wins everywhere, nor on one host all day. On the KVM guest measured here
 (``benchmarks/local_reads.py CKPT --scenarios warm``, 2 threads, 4 and 8 GiB), ``preadv`` ran at
 17.8-26.3 GB/s against the mapping's 13.8-15.5 on 2026-12-02 and at 11.0-11.3 against 13.7-15.1
-on the evening of 2026-12-03 (docs/benchmarks.md, "Warm copies chosen at run time"); loaders that copy out of a mapping (``safe_open``, ``load_file``) rose and fell with
-it. So each load times its first steps both ways, takes the faster, and keeps timing the other
+on the evening of 2026-12-03 (docs/benchmarks.md, "Warm copies chosen at run time"); loaders
+that copy out of a mapping (``safe_open``, ``load_file``) rose and fell with it. So each load times its first steps both ways, takes the faster, and keeps timing the other
 now and then (``EXPLORE``), in case the hour turns mid-load.
 """
 
@@ -53,7 +53,7 @@ class CopyChoice:
         self._lock = threading.Lock()
         self._times = (deque[float](maxlen=WINDOW), deque[float](maxlen=WINDOW))
         self._steps = 0
-        self.counts = [0, 0]  # steps taken each way, for ``aload bench`` and the tests
+        self.counts = [0, 0]  # steps timed each way: ``chosen``, and the tests
 
     def pick(self, nbytes: int) -> int:
         """The way the next step, of ``nbytes``, goes."""

@@ -582,7 +582,7 @@ async def test_a_large_warm_tensor_can_be_copied_out_of_the_mapping_which_then_l
 
 
 async def test_a_load_times_both_copies_and_takes_the_faster(write: Callable[..., Path]) -> None:
-    """ "auto": the first steps go both ways (concurrent steps different ways), both timed; the
+    """On "auto" the first steps go both ways (concurrent steps different ways), both timed; the
     load then takes the faster, and says which."""
     path, start = warm_file(write, {"w": torch.ones(16 * 1024, 1024)})  # 64 MiB: eight steps
     n = path.stat().st_size - start
@@ -630,9 +630,8 @@ async def test_a_partly_evicted_warm_tensor_asks_for_its_pages_once_and_a_shrunk
     """A large tensor mostly in the page cache is read by ``preadv`` in steps too, its bytes
     asked for once ahead (``WILLNEED``), not read step by step from the disk; a file that shrank
     since it was opened fails with its name and the bytes asked for."""
-    path, start = warm_file(
-        write, {"w": torch.ones(5 * 1024, 1024)}
-    )  # 20 MiB: five of the windows the cache is judged by
+    # 20 MiB: five of the windows the cache is judged by
+    path, start = warm_file(write, {"w": torch.ones(5 * 1024, 1024)})
     size = path.stat().st_size
     n = size - start
     asked: list[tuple[int, int]] = []
