@@ -10,6 +10,7 @@ thread pool that blocking reads run in; each store lives in a module of its own 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import importlib
@@ -285,18 +286,32 @@ class IOPool:
         return await asyncio.wrap_future(cf)
 
     async def run_all(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> None:
-        """``fn(*args)`` for each of ``calls``, all submitted at once; returns when every one has
-        finished (the first error raised then), waking the event loop once rather than per call."""
+        """``fn(*args)`` for each of ``calls``, taken in order by up to ``threads`` workers that
+        each go from one call to the next on their thread; returns when every worker has ended,
+        raising the first error (after which no call is started). The event loop submits a few
+        workers and is woken once, however many calls there are; cancelled, the calls not yet
+        started are dropped."""
         if not calls:
             return
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        left, errors, lock = [len(calls)], [], threading.Lock()
+        todo, errors = collections.deque(calls), list[BaseException]()
 
-        def finished(cf: concurrent.futures.Future[Any]) -> None:
-            exc = cf.exception() if not cf.cancelled() else concurrent.futures.CancelledError()
-            with lock:
-                if exc is not None:
+        def work() -> None:
+            while not errors:
+                try:
+                    args = todo.popleft()
+                except IndexError:
+                    return
+                try:
+                    fn(*args)
+                except BaseException as exc:  # raised on the loop once every worker has ended
                     errors.append(exc)
+
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        workers = min(self.threads, len(calls))
+        left, lock = [workers], threading.Lock()
+
+        def finished(_: concurrent.futures.Future[Any]) -> None:
+            with lock:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
@@ -306,12 +321,16 @@ class IOPool:
                     pass
 
         ex = self.executor()
-        for args in calls:
-            cf = ex.submit(fn, *args)
+        for _ in range(workers):
+            cf = ex.submit(work)
             self._pending.add(cf)
             cf.add_done_callback(self._pending.discard)
             cf.add_done_callback(finished)
-        await asyncio.wrap_future(done)
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            todo.clear()  # the running calls finish (``aclose`` waits for them), no new one starts
+            raise
 
     async def aclose(self) -> None:
         running = [asyncio.wrap_future(cf) for cf in list(self._pending) if not cf.done()]

@@ -870,7 +870,7 @@ async def test_a_tensor_partly_evicted_comes_from_the_cache_and_the_rest_through
     assert resident(path, *hole) == 1  # the hole read in through it
 
 
-async def test_run_all_finishes_every_call_then_raises_the_first_error() -> None:
+async def test_run_all_raises_the_first_error_and_starts_no_call_after_it() -> None:
     pool = IOPool(3)
     ran: list[int] = []
     lock = threading.Lock()
@@ -883,12 +883,50 @@ async def test_run_all_finishes_every_call_then_raises_the_first_error() -> None
 
     try:
         await pool.run_all(call, [(i,) for i in range(10) if i not in (3, 7)])
+        assert sorted(ran) == [0, 1, 2, 4, 5, 6, 8, 9]
+        ran.clear()
         with pytest.raises(ValueError, match=r"call [37]"):
             await pool.run_all(call, [(i,) for i in range(10)])
-        assert sorted(ran) == sorted([i for i in range(10) if i not in (3, 7)] + list(range(10)))
+        assert 3 in ran and len(ran) <= 6  # up to three in flight when 3 failed; none started after
         await pool.run_all(call, [])
-        await asyncio.sleep(0)
+        single = IOPool(1)
+        try:
+            ran.clear()
+            with pytest.raises(ValueError, match="call 3"):
+                await single.run_all(call, [(i,) for i in range(10)])
+            assert ran == [0, 1, 2, 3]  # one worker: in order, and nothing after the error
+        finally:
+            await single.aclose()
     finally:
+        await pool.aclose()
+
+
+async def test_run_all_goes_through_its_calls_on_a_few_workers_and_drops_the_rest_when_cancelled() -> None:
+    """A unit's steps are taken by at most ``threads`` workers, each going from one to the next
+    on its thread (not one task per step for the event loop to submit); a cancelled read starts
+    no step after the running ones."""
+    pool = IOPool(2)
+    ran: list[int] = []
+    gate, both = threading.Event(), threading.Barrier(3)
+
+    def step(i: int) -> None:
+        ran.append(i)
+        if i < 2:  # the first two hold both workers until the read is cancelled
+            both.wait(5)
+            gate.wait(5)
+
+    try:
+        task = asyncio.ensure_future(pool.run_all(step, [(i,) for i in range(100)]))
+        await asyncio.to_thread(both.wait, 5)
+        assert len(pool._pending) == 2  # two workers for 100 calls, not 100 tasks
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        gate.set()
+        await pool.aclose()  # waits for the two running calls
+        assert sorted(ran) == [0, 1]  # none started after the cancel
+    finally:
+        gate.set()
         await pool.aclose()
 
 
