@@ -887,7 +887,7 @@ async def test_run_all_raises_the_first_error_and_starts_no_call_after_it() -> N
         ran.clear()
         with pytest.raises(ValueError, match=r"call [37]"):
             await pool.run_all(call, [(i,) for i in range(10)])
-        assert 3 in ran or 7 in ran  # (which calls the other workers took meanwhile is up to the threads)
+        assert len(ran) == len(set(ran))  # no call taken twice (which ones ran before the error is up to the threads)
         await pool.run_all(call, [])
         single = IOPool(1)
         try:
