@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._threads import READ_NICE_ENV, run_in_thread
+from ._threads import READ_NICE_ENV, READ_PIN_ENV, run_in_thread
 from .errors import UsageError
 from .local import READ_ENV, cached_share, evict, is_local, read_mode
 from .pipeline import stream
@@ -52,10 +52,10 @@ def stolen_s() -> float | None:
 
 
 #: Environment variables that change how fast a load runs, named in ``host()`` where set: aload's
-#: read mode and its read threads' priority, and glibc's tunables (its threshold for non-temporal
+#: read mode, its read threads' priority and cores, and glibc's tunables (its threshold for non-temporal
 #: stores changed warm loads through ``load_weights`` here, whose ``copy_()`` reads the file's
 #: mapping: docs/benchmarks.md, "This host").
-HOST_ENV = (READ_ENV, READ_NICE_ENV, "GLIBC_TUNABLES")
+HOST_ENV = (READ_ENV, READ_NICE_ENV, READ_PIN_ENV, "GLIBC_TUNABLES")
 
 
 @functools.cache

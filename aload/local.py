@@ -408,7 +408,7 @@ class LocalStore(Store):
             raise UsageError(f"{said} must be one of {READ_MODES}, got {read!r}", url=url)
         self.url = _path_from_url(url)
         self._read = read
-        self._pool = IOPool(concurrency)
+        self._pool = IOPool(concurrency, pin=True)  # a core each, where they fill the cores
         self._direct_pool = IOPool(max(concurrency, DIRECT_DEPTH))  # started by a first cold read
         self._sources: dict[str, LocalSource] = {}
         #: How this load copies out of the page cache (``aload.warmcopy``): one choice for its files.

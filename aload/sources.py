@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from ._threads import lower_priority, read_nice, run_in_thread
+from ._threads import read_cores, read_nice, run_in_thread, start_read_thread
 from .errors import UsageError
 
 T = TypeVar("T")
@@ -247,9 +247,10 @@ class IOPool:
     """A lazily started thread pool for blocking reads; ``aclose`` waits for every read it
     started (a cancelled await does not stop a running ``preadv``) and joins its threads."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, pin: bool = False) -> None:
         self.threads = threads
         self._nice = read_nice()  # each thread's priority below the process's (``READ_NICE``)
+        self._cores = read_cores(threads) if pin else None  # each thread's core (``read_cores``)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._starting: asyncio.Future[None] | None = None
@@ -275,7 +276,7 @@ class IOPool:
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                self.threads, "aload-io", initializer=lower_priority, initargs=(self._nice,)
+                self.threads, "aload-io", initializer=start_read_thread, initargs=(self._nice, self._cores)
             )
         return self._executor
 

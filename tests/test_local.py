@@ -24,7 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 import aload
-from aload import _syscalls, local, mapping, pagecache, warmcopy
+from aload import _syscalls, _threads, local, mapping, pagecache, warmcopy
 from aload._syscalls import all_cached, libc, window_pages
 from aload.arena import byte_view
 from aload.direct import DIRECT_PIECE_BYTES, DirectFile
@@ -928,6 +928,42 @@ async def test_run_all_goes_through_its_calls_on_a_few_workers_and_drops_the_res
     finally:
         gate.set()
         await pool.aclose()
+
+
+async def _thread_cores(pool: IOPool) -> list[list[int]]:
+    """The cores each of ``pool``'s threads may run on, every thread started."""
+    seen: list[list[int]] = []
+    everyone = threading.Barrier(pool.threads)
+
+    def where() -> None:
+        everyone.wait(5)  # one call per thread: each waits until all have started
+        seen.append(sorted(os.sched_getaffinity(0)))
+
+    try:
+        await asyncio.gather(*(pool.run(where) for _ in range(pool.threads)))
+    finally:
+        await pool.aclose()
+    return seen
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux: thread affinity")
+async def test_a_local_stores_read_threads_keep_to_a_core_each_where_they_fill_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As many read threads as cores: each on its own core (left to the scheduler, two warm copying
+    threads sometimes shared one core for a whole load); more threads than cores, a pool that does
+    not ask, or ``ALOAD_READ_PIN=0``: every core, as the process."""
+    monkeypatch.delenv(_threads.READ_PIN_ENV, raising=False)
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = await _thread_cores(IOPool(len(cores), pin=True))
+    assert sorted(core for (core,) in pinned) == cores  # one core each, every core once
+    assert await _thread_cores(IOPool(len(cores) + 1, pin=True)) == [cores] * (len(cores) + 1)
+    assert await _thread_cores(IOPool(len(cores))) == [cores] * len(cores)
+    monkeypatch.setenv(_threads.READ_PIN_ENV, "0")
+    assert await _thread_cores(IOPool(len(cores), pin=True)) == [cores] * len(cores)
+    assert local.LocalStore("x.safetensors", concurrency=len(cores))._pool._cores is None
+    monkeypatch.delenv(_threads.READ_PIN_ENV)
+    assert local.LocalStore("x.safetensors", concurrency=len(cores))._pool._cores == cores
 
 
 async def test_a_read_that_fails_after_its_caller_gave_up_is_not_logged_as_never_retrieved() -> None:
