@@ -76,7 +76,7 @@ def lower_priority(by: int) -> None:
 #: With more cores than read threads, the scheduler has idle cores to spread them over: no pin.
 #: ``ALOAD_READ_PIN=0`` turns it off.
 READ_PIN_ENV = "ALOAD_READ_PIN"
-_next_core = itertools.count()  # process-wide: two loads at once start from different cores
+_next_core = itertools.count()  # process-wide: each new read thread takes the next core in turn
 
 
 def read_cores(threads: int) -> list[int] | None:
