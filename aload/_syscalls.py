@@ -63,6 +63,16 @@ def willneed(fd: int, offset: int, length: int) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
 
 
+def no_readahead(fd: int) -> None:
+    """No read-ahead on ``fd`` (``POSIX_FADV_RANDOM``): a read that misses the page cache reads
+    only its own pages. Where a file's bytes on disk are read with ``O_DIRECT``, the kernel's
+    read-ahead from the header and the small tensors' buffered reads had brought megabytes of
+    the large tensors after them into the page cache (about one cold load in 25 here), each then
+    read again. ``willneed`` is not affected."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+
 def preadv_scatter(fd: int, offset: int, dests: list[Any], url: str, step: int) -> None:
     """Fill ``dests``, laid end to end from ``offset``, with one ``preadv`` per ``IOV_MAX`` of
     them or per ``step`` bytes, whichever is less (the GIL let go in each; the Python between

@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlparse
 import aiofiles
 import numpy as np
 
-from ._syscalls import IOVEC_OK, libc, pread_into, preadv_scatter, willneed
+from ._syscalls import IOVEC_OK, libc, no_readahead, pread_into, preadv_scatter, willneed
 from .direct import ALIGN, DIRECT_DEPTH, DIRECT_PIECE_BYTES, O_DIRECT_MIN_BYTES, DirectFile
 from .errors import SourceError, UsageError
 from .mapping import FileMapping, check_length
@@ -168,6 +168,8 @@ class LocalSource(Source):
                 self._map = FileMapping(self._fd, self._size, self.url)
             if self._direct_pool is not None:
                 self._dio = DirectFile.open(self._fd, self.url)
+                if self._dio is not None:  # its bytes on disk come by O_DIRECT, the rest as asked
+                    no_readahead(self._fd)
         return self._fd
 
     @property

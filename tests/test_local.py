@@ -146,6 +146,21 @@ async def test_a_cold_file_is_read_past_the_page_cache_straight_into_the_paramet
     assert all(resident(path, s.start, s.end) == 1 for s in specs.values() if s.nbytes < 256 << 10)
 
 
+async def test_a_file_read_past_the_page_cache_gets_no_read_ahead(tmp_path: Path) -> None:
+    """Its buffered reads (the header, runs of small tensors) bring in their own pages only: the
+    kernel's read-ahead from them had brought megabytes of the large tensors after them into the
+    page cache (one cold load in ~25), each then read again with ``O_DIRECT``."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    data, path = cold_blob(tmp_path, 4 << 20, seed=5)
+    async with opened(path) as src:
+        assert (await src.head(page))[1] == data[:page]
+        buf = bytearray(100 << 10)
+        await src.readinto(MiB, memoryview(buf))  # under O_DIRECT_MIN_BYTES: a buffered read
+    assert bytes(buf) == data[MiB : MiB + len(buf)]
+    assert resident(path, 0, page) == 1 and resident(path, MiB, MiB + len(buf)) == 1
+    assert resident(path, page, MiB) == 0 and resident(path, MiB + len(buf) + page, len(data)) == 0
+
+
 async def test_a_warm_file_fills_tensors_under_16_mib_by_scattering_reads(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
