@@ -315,9 +315,15 @@ class LocalSource(Source):
 
     @property
     def scatter_below(self) -> int:  # type: ignore[override]
-        """Tensors under ``SCATTER_BELOW_BYTES`` with a destination are read in runs where all of
-        the file sat in the page cache (a file on disk reads its larger ones with ``O_DIRECT``)."""
-        return SCATTER_BELOW_BYTES if self._warm else 0
+        """Tensors under ``SCATTER_BELOW_BYTES`` with a destination are read in runs where their
+        bytes sat in the page cache (``scatters_at``; bytes on disk: the larger ones with
+        ``O_DIRECT``, one unit each)."""
+        return 0 if self._residency is None else SCATTER_BELOW_BYTES
+
+    def scatters_at(self, offset: int, length: int) -> bool:
+        """Decided per range, not per file: a file partly evicted (its first 10%, the Qwen-shaped
+        checkpoint's) had its 8 MiB tensors read one unit each all through, as from the disk."""
+        return bool(self._warm) or self._share_at(offset, length) >= ALL_CACHED
 
     @property
     def mapped_run_bytes(self) -> int:  # type: ignore[override]

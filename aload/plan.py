@@ -134,6 +134,7 @@ def _make_plan(
     g_start = g_end = 0
     g_shard = s_shard = m_shard = ""
     s_below = 0
+    s_src: Source | None = None
     m_limit = chunk_bytes  # coalesced units without a destination, in the shard m_shard
     # Small tensors with a destination are read straight into it where the source can scatter
     # one read over many buffers; not when every byte must pass through a digest in order.
@@ -157,16 +158,26 @@ def _make_plan(
         target = None
         if dest is not None and not skip:
             if scatter and spec.shard != s_shard:  # what the shard's source can scatter, once a shard
-                s_shard, s_below = spec.shard, _scatter_below(ckpt, spec)
-            if n >= DIRECT_MIN_BYTES or n < s_below:
+                s_shard, s_below, s_src = spec.shard, _scatter_below(ckpt, spec), ckpt.source(spec)
+            below = s_below
+            if (
+                below > DIRECT_MIN_BYTES
+                and n >= FILLED_MIN_BYTES
+                and s_src is not None
+                and not s_src.scatters_at(start, n)
+            ):
+                below = DIRECT_MIN_BYTES  # these bytes are on disk: as a shard that scatters small ones only
+            if n >= DIRECT_MIN_BYTES or n < below:
                 target = dest(name, spec)
-        if n > chunk_bytes or (target is not None and n >= max(DIRECT_MIN_BYTES, s_below)):
+        else:
+            below = s_below
+        if n > chunk_bytes or (target is not None and n >= max(DIRECT_MIN_BYTES, below)):
             item = _new_tuple(Item, (spec, name, 0, skip, None))
             untrack(item)
             units.append(Unit(ckpt.source(spec), start, n, [item], target))
             group = None
             continue
-        filled = target is not None and n >= FILLED_MIN_BYTES and s_below > DIRECT_MIN_BYTES
+        filled = target is not None and n >= FILLED_MIN_BYTES and below > DIRECT_MIN_BYTES
         if spec.shard != m_shard:
             m_shard = spec.shard
             m_limit = max(chunk_bytes, min(ckpt.source(spec).mapped_run_bytes, run_bytes))

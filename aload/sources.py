@@ -110,6 +110,11 @@ class Source(ABC):
     #: that no read hides. Looked at once ``ready()`` is done.
     mapped_run_bytes: int = 0
 
+    def scatters_at(self, offset: int, length: int) -> bool:
+        """Whether ``scatter_below`` holds for a tensor at these bytes (a local file partly in the
+        page cache: where they are in it); asked of tensors of 64 KiB and more only."""
+        return True
+
     async def read_ahead(self, ranges: Callable[[], Iterable[tuple[int, int]]]) -> None:
         """A hint (``checkpoint.ReadAhead``): the byte ranges ``(start, end)`` that ``ranges()``
         gives will be read soon. It never raises for them (the reads that follow do), and calls

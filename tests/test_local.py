@@ -217,6 +217,44 @@ async def test_runs_from_a_warm_file_are_filled_on_the_read_threads_beside_its_l
     assert sum(on_read_threads) >= 8 and max(on_read_threads) >= 3  # q, mlp and a norm between
 
 
+async def test_a_partly_evicted_file_fills_runs_where_it_is_cached_and_reads_alone_where_not(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs are decided per range: in a file whose first part was evicted, the 1-16 MiB tensors
+    past it are filled in runs on the read threads as from a warm file, those in it are read one
+    unit each (from the disk, with ``O_DIRECT`` where it can). The whole file had been taken as
+    cold, and its 8 MiB tensors all read one unit each (the Qwen-shaped checkpoint, partly
+    evicted: 0.73-0.75x the fastest peer)."""
+    fills: list[tuple[str, int, int]] = []
+    scatter = LocalSource.scatter_into
+
+    def spy(self: LocalSource, offset: int, dests: list[Any]) -> None:
+        fills.append((threading.current_thread().name, offset, len(dests)))
+        scatter(self, offset, dests)
+
+    monkeypatch.setattr(LocalSource, "scatter_into", spy)
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(8):
+        tensors |= {f"l{i}_q": torch.full((384, 1024), float(i)), f"l{i}_norm": torch.full((64,), float(i))}
+        tensors |= {f"l{i}_mlp": torch.full((2048, 1024), float(i))}  # 8 MiB
+    path = write(tensors)
+    path.read_bytes()
+    needs_cachestat(path)
+    async with aload.open(path) as ckpt:
+        specs = sorted(ckpt.specs.values(), key=lambda s: s.start)
+    evicted = specs[6].end  # the first two layers
+    drop_cache(path, 0, evicted)
+    model = flat(tensors)
+    await aload.load(model, path)
+    assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
+    at = {s.start: i for i, s in enumerate(specs)}
+    filled = {s.name for name, off, n in fills if name.startswith("aload-io") for s in specs[at[off] : at[off] + n]}
+    mid = [s for s in specs if s.nbytes >= 64 << 10]
+    # The page cache drops whole folios (up to 2 MiB), and is looked at in 4 MiB windows.
+    assert {s.name for s in mid if s.start >= evicted + (4 << 20)} <= filled
+    assert not {s.name for s in mid if s.end <= evicted - (2 << 20)} & filled
+
+
 async def test_a_warm_load_into_parameters_makes_no_torch_op_or_fstat_per_unit_on_the_loop(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
