@@ -19,7 +19,16 @@ from urllib.parse import unquote, urlparse
 import aiofiles
 import numpy as np
 
-from ._syscalls import IOVEC_OK, libc, no_readahead, pread_into, preadv_scatter, willneed
+from ._syscalls import (
+    IOVEC_OK,
+    WILLNEED_PIECE_BYTES,
+    libc,
+    no_readahead,
+    pread_into,
+    preadv_scatter,
+    willneed,
+    willneed_piece,
+)
 from .direct import ALIGN, DIRECT_DEPTH, DIRECT_PIECE_BYTES, O_DIRECT_MIN_BYTES, DirectFile
 from .errors import SourceError, UsageError
 from .mapping import FileMapping, check_length
@@ -152,6 +161,7 @@ class LocalSource(Source):
         self._fd: int | None = None
         self._dio: DirectFile | None = None  # the same file opened with O_DIRECT (``aload.direct``)
         self._size: int | None = None
+        self._piece = WILLNEED_PIECE_BYTES  # what one WILLNEED reads at most (``willneed_piece``)
         self._map: FileMapping | None = None  # made with the size known, mapped at first need
         self._residency: Residency | None = None  # the page cache when the file was first read
         self._deciding: asyncio.Future[bool] | None = None  # working that out, on a thread
@@ -164,6 +174,7 @@ class LocalSource(Source):
             except OSError as exc:
                 raise SourceError(f"cannot open: {exc.strerror}", url=self.url) from exc
             self._size = os.fstat(self._fd).st_size
+            self._piece = willneed_piece(self._fd)
             if self.can_map and self._size:
                 self._map = FileMapping(self._fd, self._size, self.url)
             if self._direct_pool is not None:
@@ -274,7 +285,7 @@ class LocalSource(Source):
     def _prefetch(self, offset: int, length: int) -> None:
         self._check_length(offset, length)
         assert self._fd is not None
-        willneed(self._fd, offset, length)
+        willneed(self._fd, offset, length, self._piece)
 
     async def scatter_read(self, offset: int, dests: list[Any]) -> None:
         await self._pool.run(self.scatter_into, offset, dests)

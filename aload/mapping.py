@@ -16,7 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from ._syscalls import MADV_DONTNEED, MADV_POPULATE_READ, PAGE, libc, madvise_in_steps, map_private, willneed
+from ._syscalls import (
+    MADV_DONTNEED,
+    MADV_POPULATE_READ,
+    PAGE,
+    libc,
+    madvise_in_steps,
+    map_private,
+    willneed,
+    willneed_piece,
+)
 from .errors import SourceError
 
 
@@ -31,13 +40,14 @@ class FileMapping:
     """The whole file open as ``fd``, mapped private at first need, once, whichever thread asks
     first (a file read only from the disk is never mapped)."""
 
-    __slots__ = ("_array", "_fd", "_lock", "_populate_read", "_size", "url")
+    __slots__ = ("_array", "_fd", "_lock", "_piece", "_populate_read", "_size", "url")
 
     def __init__(self, fd: int, size: int, url: str) -> None:
         self._fd, self._size, self.url = fd, size, url
         self._array: np.ndarray[Any, Any] | None = None
         self._lock = threading.Lock()
         self._populate_read = libc is not None and sys.platform.startswith("linux")
+        self._piece = willneed_piece(fd)
 
     def array(self) -> np.ndarray[Any, Any]:
         arr = self._array
@@ -54,7 +64,7 @@ class FileMapping:
         check_length(self._fd, offset, length, self.url)
         # Exactly these bytes asked for first: a fault on a missing page reads around it
         # (``read_ahead_kb``, 8 MiB on the VM measured), into neighbours read with O_DIRECT.
-        willneed(self._fd, offset, length)
+        willneed(self._fd, offset, length, self._piece)
         if not self._populated(arr, offset, length):
             first = offset - offset % PAGE
             int(arr[first : offset + length : PAGE].max())  # one read per page faults it in

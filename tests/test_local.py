@@ -161,6 +161,23 @@ async def test_a_file_read_past_the_page_cache_gets_no_read_ahead(tmp_path: Path
     assert resident(path, page, MiB) == 0 and resident(path, MiB + len(buf) + page, len(data)) == 0
 
 
+async def test_a_prefetch_asks_for_every_byte_of_a_range_larger_than_the_kernel_reads_at_once(
+    tmp_path: Path,
+) -> None:
+    """One ``POSIX_FADV_WILLNEED`` reads no more than its device's ``read_ahead_kb`` or
+    ``max_sectors_kb``, whichever is larger, and drops the rest of its range: a run's prefetch
+    asks in pieces of that size, so that all of the run comes in ahead of its copy."""
+    data, path = cold_blob(tmp_path, 24 << 20, seed=6)
+    async with opened(path) as src:
+        assert src._piece >= os.sysconf("SC_PAGE_SIZE")
+        await src.prefetch(0, len(data))
+        for _ in range(500):  # queued reads: each lands in its own time
+            if resident(path, 0, len(data)) == 1:
+                break
+            await asyncio.sleep(0.01)
+    assert resident(path, 0, len(data)) == 1
+
+
 async def test_a_warm_file_fills_tensors_under_16_mib_by_scattering_reads(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -690,7 +707,9 @@ async def test_a_partly_evicted_warm_tensor_asks_for_its_pages_once_and_a_shrunk
     asked: list[tuple[int, int]] = []
     real = local.willneed
     monkeypatch.setattr(
-        local, "willneed", lambda fd, offset, length: asked.append((offset, length)) or real(fd, offset, length)
+        local,
+        "willneed",
+        lambda fd, offset, length, piece: asked.append((offset, length)) or real(fd, offset, length, piece),
     )
     with safe_open(str(path), "pt") as st:
         want = st.get_tensor("w").numpy().tobytes()
