@@ -217,10 +217,13 @@ class LocalSource(Source):
         if (self._shared and not self._warm) or (cached and n < SCATTER_BELOW_BYTES):
             await self._pool.run(pread_into, self._fd, buf, offset, self.url)
         elif cached:
+            step = PREAD_STEP_BYTES
+            steps = [(buf[o : o + step], offset + o) for o in range(0, n, step)]
             if self._share_at(offset, n) < 1.0:  # the pages on disk asked for at once, not step by step
                 await self._pool.run(self._prefetch, offset, n)
-            step = PREAD_STEP_BYTES
-            await self._pool.run_all(self._copy_step, [(buf[o : o + step], offset + o) for o in range(0, n, step)])
+                # The cached steps first, while the disk brings the others in.
+                steps.sort(key=lambda s: self._share_at(s[1], len(s[0])) < 1.0)
+            await self._pool.run_all(self._copy_step, steps)
         else:
             assert self._direct_pool is not None and self._dio is not None  # _direct: opened with O_DIRECT
             await self._direct_pool.start_from(self._pool)

@@ -724,8 +724,18 @@ async def test_a_partly_evicted_warm_tensor_asks_for_its_pages_once_and_a_shrunk
         if not src._in_cache(start, n) or src._share_at(start, n) == 1.0:
             pytest.skip("the page cache kept the range, or dropped more")
         dest[:] = 0
+        steps: list[int] = []
+        run_all = src._pool.run_all
+
+        async def spy(fn: Callable[..., None], args: list[tuple[Any, ...]]) -> None:
+            steps.extend(offset for _, offset in args)
+            await run_all(fn, args)
+
+        src._pool.run_all = spy  # type: ignore[method-assign]
         await src.readinto(start, memoryview(dest))
         assert dest.tobytes() == want and asked == [(start, n)]
+        # The steps in the page cache go first, while the disk brings in the evicted one.
+        assert sorted(steps) == list(range(start, start + n, local.PREAD_STEP_BYTES)) and steps[-1] == start
     path.read_bytes()
     async with opened(path) as src:
         await src.ready()
