@@ -296,6 +296,10 @@ class Reader:
         # Bytes in the page cache come in one piece (a mapped unit's then costs one length check,
         # not a task per chunk on the loop: 4 GiB warm through load_weights made 253 of them).
         piece = unit.source.piece_bytes(self._chunk, unit.start, unit.nbytes, mapped=buf is None)
+        if buf is None and piece < unit.nbytes and unit.source.scatters:
+            # A view partly on disk: its missing pages all asked for at once, so that the disk has
+            # them queued while its chunks are populated two at a time.
+            await unit.source.prefetch(unit.start, unit.nbytes)
         if piece >= unit.nbytes:  # one read: awaited here, not in a task of its own
             await self._read_chunk(unit, buf, 0, unit.nbytes, buffered)
         else:
