@@ -6,6 +6,7 @@ refused). Format-free and store-free: ``aload.local`` decides when each is worth
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import sys
@@ -61,12 +62,13 @@ def pread_into(fd: int, buf: memoryview, offset: int, url: str) -> None:
 WILLNEED_PIECE_BYTES = 128 << 10
 
 
-def willneed_piece(fd: int) -> int:
-    """The most one ``POSIX_FADV_WILLNEED`` on ``fd`` reads: the kernel reads no more of a call's
-    range than the larger of its device's ``read_ahead_kb`` and ``max_sectors_kb``
-    (``force_page_cache_ra``), the rest never: a 64 MiB call read 8 MiB on the VM measured.
-    ``WILLNEED_PIECE_BYTES`` where sysfs does not say (a filesystem on no one block device)."""
-    dev = os.fstat(fd).st_dev
+@functools.cache
+def willneed_piece(dev: int) -> int:
+    """The most one ``POSIX_FADV_WILLNEED`` on a file of device ``dev`` (``st_dev``) reads: the
+    kernel reads no more of a call's range than the larger of the device's ``read_ahead_kb`` and
+    ``max_sectors_kb`` (``force_page_cache_ra``), the rest never: a 64 MiB call read 8 MiB on the
+    VM measured. ``WILLNEED_PIECE_BYTES`` where sysfs does not say (a filesystem on no one block
+    device). Looked up once per device."""
     base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
     for queue in (f"{base}/queue", f"{base}/../queue"):  # a partition's are its disk's
         try:

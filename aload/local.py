@@ -173,10 +173,10 @@ class LocalSource(Source):
                 self._fd = os.open(self.url, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError as exc:
                 raise SourceError(f"cannot open: {exc.strerror}", url=self.url) from exc
-            self._size = os.fstat(self._fd).st_size
-            self._piece = willneed_piece(self._fd)
+            st = os.fstat(self._fd)
+            self._size, self._piece = st.st_size, willneed_piece(st.st_dev)
             if self.can_map and self._size:
-                self._map = FileMapping(self._fd, self._size, self.url)
+                self._map = FileMapping(self._fd, self._size, self.url, self._piece)
             if self._direct_pool is not None:
                 self._dio = DirectFile.open(self._fd, self.url)
                 if self._dio is not None:  # its bytes on disk come by O_DIRECT, the rest as asked

@@ -20,11 +20,11 @@ from ._syscalls import (
     MADV_DONTNEED,
     MADV_POPULATE_READ,
     PAGE,
+    WILLNEED_PIECE_BYTES,
     libc,
     madvise_in_steps,
     map_private,
     willneed,
-    willneed_piece,
 )
 from .errors import SourceError
 
@@ -42,12 +42,12 @@ class FileMapping:
 
     __slots__ = ("_array", "_fd", "_lock", "_piece", "_populate_read", "_size", "url")
 
-    def __init__(self, fd: int, size: int, url: str) -> None:
+    def __init__(self, fd: int, size: int, url: str, piece: int = WILLNEED_PIECE_BYTES) -> None:
         self._fd, self._size, self.url = fd, size, url
         self._array: np.ndarray[Any, Any] | None = None
         self._lock = threading.Lock()
         self._populate_read = libc is not None and sys.platform.startswith("linux")
-        self._piece = willneed_piece(fd)
+        self._piece = piece  # what one WILLNEED reads at most (``willneed_piece``)
 
     def array(self) -> np.ndarray[Any, Any]:
         arr = self._array
