@@ -50,6 +50,7 @@ class TensorStream:
         release_event: Callable[[], Any] | None = None,
         t0: float | None = None,
         verify: Manifest | None = None,
+        in_order: bool = True,
     ) -> None:
         _check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency, chunk_bytes=chunk_bytes)
         self._source = source
@@ -65,6 +66,7 @@ class TensorStream:
             release_event=release_event,
             progress=progress,
             t0=self._t0,
+            in_order=in_order,
         )
         self._concurrency = concurrency
         self._chunk_bytes, self._budget = chunk_bytes, max_inflight_bytes
@@ -216,6 +218,7 @@ def stream(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: Callable[[Progress], None] | None = None,
     verify: Manifest | None = None,
+    in_order: bool = True,
     **options: Any,
 ) -> TensorStream:
     """Stream ``(name, tensor)`` pairs from a path, URL or open ``Checkpoint``.
@@ -225,7 +228,9 @@ def stream(
     ``chunk_bytes`` (default 16 MiB) is the largest single read. ``verify`` (a mapping of shard
     name to SHA-256, or a manifest file: see ``aload.integrity``) checks every shard's digest
     from the bytes as they stream; every byte is then read, dropped tensors included, and a
-    mismatch raises ``CheckpointError`` before the shard's last unit is delivered. Other keyword
+    mismatch raises ``CheckpointError`` before the shard's last unit is delivered. ``in_order``
+    (default True): shard order, then offset order; False: a unit whose bytes come from the disk
+    lets the next few behind it that are already read (in the page cache) go first. Other keyword
     options go to the source.
     """
     return TensorStream(
@@ -237,4 +242,5 @@ def stream(
         progress=progress,
         options=options,
         verify=verify,
+        in_order=in_order,
     )

@@ -1,4 +1,5 @@
-"""The reader: concurrent ranged reads, bounded by a byte budget, delivered in plan order.
+"""The reader: concurrent ranged reads, bounded by a byte budget, delivered in plan order (or
+with ``in_order=False``, a load's: units already read may pass one still reading).
 
 Everything read and not yet released by the consumer counts against ``max_inflight_bytes``:
 a unit waits for budget before its reads start, and its bytes return to the budget when every
@@ -86,7 +87,7 @@ class Progress:
 
 
 class Reader:
-    """Reads a plan and yields ``(name, tensor)`` in plan order."""
+    """Reads a plan and yields ``(name, tensor)`` in plan order (``in_order``; else see ``_next_ready``)."""
 
     def __init__(
         self,
@@ -100,6 +101,7 @@ class Reader:
         progress: Callable[[Progress], None] | None = None,
         t0: float | None = None,
         hashes: dict[str, ShardHash] | None = None,
+        in_order: bool = True,
     ) -> None:
         _check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency, chunk_bytes=chunk_bytes)
         self.plan = plan
@@ -112,11 +114,16 @@ class Reader:
         self._pin = pin
         self._chunk = chunk_bytes
         self._gate = asyncio.Semaphore(concurrency)
+        # Units read ahead of the consumer: ``2 * concurrency`` queued; out of order, half of them
+        # queued and half (at least 2) taken off the queue to wait for their reads (``_next_ready``).
         self._queue: asyncio.Queue[tuple[Unit, Lease | None, asyncio.Task[None]] | None] = asyncio.Queue(
-            maxsize=2 * concurrency
+            maxsize=2 * concurrency if in_order else concurrency
         )
         self._changed = asyncio.Event()
         self._pending_get: asyncio.Future[Any] | None = None
+        self._in_order = in_order
+        # Taken off the queue, their reads not done yet (``in_order=False``), in plan order.
+        self._waiting: list[tuple[Unit, Lease | None, asyncio.Task[None]] | None] = []
         self._release_event = release_event
         self._progress = progress
         self._loop = asyncio.get_running_loop()
@@ -139,7 +146,13 @@ class Reader:
 
     def _consumer_stuck(self) -> bool:
         get = self._pending_get  # the consumer's wait for the next unit, while it lasts
-        return get is not None and not get.done() and self._queue.empty() and (self.starving is None or self.starving())
+        return (
+            get is not None
+            and not get.done()
+            and self._queue.empty()
+            and not self._waiting
+            and (self.starving is None or self.starving())
+        )
 
     async def _acquire(self, unit: Unit) -> Lease:
         waited_from: float | None = None
@@ -321,11 +334,16 @@ class Reader:
             await self._helper.run(prefault, self._arena.array(), lo, hi)
 
     async def _read_chunk(self, unit: Unit, buf: memoryview | None, off: int, n: int, buffered: bool) -> None:
-        async with self._gate:
-            if buf is None:
-                await unit.source.populate(unit.start + off, n)
-            else:
-                await unit.source.readinto(unit.start + off, buf[off : off + n])
+        if buf is None and unit.source.in_memory(unit.start + off, n):
+            # Nothing to read: no read slot taken, so that a view in the page cache is not held
+            # up behind the reads of one on disk (``in_order=False`` hands it out before that one).
+            await unit.source.populate(unit.start + off, n)
+        else:
+            async with self._gate:
+                if buf is None:
+                    await unit.source.populate(unit.start + off, n)
+                else:
+                    await unit.source.readinto(unit.start + off, buf[off : off + n])
         self._count_read(n, buffered)
 
     def _count_read(self, n: int, buffered: bool) -> None:
@@ -404,8 +422,13 @@ class Reader:
             )
 
     async def _next_unit(self) -> tuple[Unit, Lease | None, asyncio.Task[None]] | None:
+        if not self._in_order:
+            return await self._next_ready()
         if not self._queue.empty():  # read ahead: no task, no wait
             return self._queue.get_nowait()
+        return await self._get()
+
+    async def _get(self) -> tuple[Unit, Lease | None, asyncio.Task[None]] | None:
         get = asyncio.ensure_future(self._queue.get())
         self._pending_get = get
         self._changed.set()
@@ -420,6 +443,46 @@ class Reader:
         finally:
             self._pending_get = None
 
+    async def _next_ready(self) -> tuple[Unit, Lease | None, asyncio.Task[None]] | None:
+        """The first unit in plan order whose read is done, of up to ``concurrency`` (at least 2)
+        taken off the queue (``in_order=False``): a unit that waits for the disk lets the ones behind it
+        that sit in the page cache go first, and the consumer copies them meanwhile."""
+        waiting, limit = self._waiting, max(2, self._queue.maxsize)
+        producer = self._producer
+        assert producer is not None
+        while True:
+            while not self._queue.empty() and len(waiting) < limit:
+                waiting.append(self._queue.get_nowait())
+            for i, entry in enumerate(waiting):
+                if entry is None:  # the end: only once every unit before it is handed out
+                    if i == 0:
+                        del waiting[0]
+                        return None
+                    break
+                if entry[2].done():
+                    del waiting[i]
+                    return entry
+            more = len(waiting) < limit and (not waiting or waiting[-1] is not None)
+            get = asyncio.ensure_future(self._queue.get()) if more else None
+            aws: list[asyncio.Future[Any]] = [e[2] for e in waiting if e is not None]
+            if get is not None:
+                aws.append(get)
+            if not producer.done():  # a producer that ended put the end on the queue
+                aws.append(producer)
+            self._pending_get = get
+            self._changed.set()
+            try:
+                await asyncio.wait(aws, return_when=asyncio.FIRST_COMPLETED)
+                if get is not None:
+                    if get.done():
+                        waiting.append(get.result())
+                    else:
+                        get.cancel()
+                if producer.done() and not producer.cancelled() and producer.exception() is not None:
+                    producer.result()  # raises the producer's error
+            finally:
+                self._pending_get = None
+
     async def aclose(self) -> None:
         """Stop producing and wait for every read started (their buffers may still be written)."""
         pending = [t for t in (self._producer, *self._tasks) if t is not None and not t.done()]
@@ -428,8 +491,8 @@ class Reader:
         if pending:
             await asyncio.wait(pending)
         ended = list(pending)
-        while not self._queue.empty():  # drop queued leases so their memory returns
-            entry = self._queue.get_nowait()
+        while self._waiting or not self._queue.empty():  # drop queued leases so their memory returns
+            entry = self._waiting.pop() if self._waiting else self._queue.get_nowait()
             if entry is not None:
                 ended.append(entry[2])
         # A read that failed after the load had stopped for another error (a file cut short fails

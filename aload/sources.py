@@ -71,6 +71,11 @@ class Source(ABC):
         """Bring the bytes of a ``view`` into memory, or raise ``SourceError``."""
         raise NotImplementedError
 
+    def in_memory(self, offset: int, length: int) -> bool:
+        """Whether a ``view`` of these bytes needs no read to ``populate`` (a file's pages all in
+        the page cache); asked once ``ready`` has been awaited."""
+        return False
+
     def release(self, offset: int, length: int) -> None:
         """No tensor views these bytes any more: let their memory go (from any thread)."""
         return None
