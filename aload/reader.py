@@ -482,6 +482,8 @@ class Reader:
                     producer.result()  # raises the producer's error
             finally:
                 self._pending_get = None
+                if get is not None and not get.done():  # cancelled meanwhile: take nothing more
+                    get.cancel()
 
     async def aclose(self) -> None:
         """Stop producing and wait for every read started (their buffers may still be written)."""
