@@ -315,6 +315,7 @@ class LocalSource(Source):
         await self._unless_cached(self._populate, offset, length)
 
     def in_memory(self, offset: int, length: int) -> bool:
+        # Known only once decided: ``_share_at`` would otherwise look at the page cache here.
         return self._warm is not None and self._share_at(offset, length) == 1.0
 
     def _populate(self, offset: int, length: int) -> None:
@@ -325,7 +326,7 @@ class LocalSource(Source):
         """``fn(offset, length)`` on a read thread, unless all of those bytes sat in the page
         cache (then only the file's length is checked)."""
         await self._decided()
-        if self._share_at(offset, length) == 1.0:
+        if self.in_memory(offset, length):
             self._check_length(offset, length)
             return
         await self._pool.run(fn, offset, length)

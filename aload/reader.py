@@ -18,6 +18,7 @@ Two cases step outside the budget, one unit at a time, so a load never deadlocks
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -334,16 +335,14 @@ class Reader:
             await self._helper.run(prefault, self._arena.array(), lo, hi)
 
     async def _read_chunk(self, unit: Unit, buf: memoryview | None, off: int, n: int, buffered: bool) -> None:
-        if buf is None and unit.source.in_memory(unit.start + off, n):
-            # Nothing to read: no read slot taken, so that a view in the page cache is not held
-            # up behind the reads of one on disk (``in_order=False`` hands it out before that one).
-            await unit.source.populate(unit.start + off, n)
-        else:
-            async with self._gate:
-                if buf is None:
-                    await unit.source.populate(unit.start + off, n)
-                else:
-                    await unit.source.readinto(unit.start + off, buf[off : off + n])
+        # A view in the page cache needs no read, so no read slot: it is not held up behind the
+        # reads of one on disk (``in_order=False`` hands it out before that one).
+        free = buf is None and unit.source.in_memory(unit.start + off, n)
+        async with contextlib.nullcontext() if free else self._gate:
+            if buf is None:
+                await unit.source.populate(unit.start + off, n)
+            else:
+                await unit.source.readinto(unit.start + off, buf[off : off + n])
         self._count_read(n, buffered)
 
     def _count_read(self, n: int, buffered: bool) -> None:
