@@ -1218,7 +1218,13 @@ async def test_a_file_truncated_under_a_load_of_small_tensors_names_the_file_and
             await aload.load(model, ckpt, stages=aload.stages.rename(r"\.", "__"))
     assert info.value.url == str(path) and info.value.byte_range is not None
     assert info.value.byte_range[1] > os.path.getsize(path)
-    assert "partly loaded" in " ".join(info.value.__notes__)
+    # Out of order (a load's default) the failed read may be the first to finish, before any
+    # tensor reached the model: the note says which it was.
+    notes = " ".join(info.value.__notes__)
+    if info.value.aload_delivered:  # type: ignore[attr-defined]
+        assert "partly loaded" in notes
+    else:
+        assert "no tensor had been delivered" in notes
 
 
 async def test_a_file_shrinking_under_a_run_filled_on_a_read_thread_names_the_file_and_range(
