@@ -153,10 +153,13 @@ async def bench_stream(
     chunk_bytes: int,
     progress: Any = None,
     cold: bool = False,
+    in_order: bool = True,
     **options: Any,
 ) -> dict[str, Any]:
     """Stream every tensor of ``url`` and drop it: the pipeline alone, as one benchmark row. With
-    ``cold``, a local checkpoint is dropped from the page cache first (``aload.local.evict``)."""
+    ``cold``, a local checkpoint is dropped from the page cache first (``aload.local.evict``).
+    ``in_order=False`` takes tensors as ``aload.load`` hands them to a model by default: one
+    ready before one ahead of it still being read."""
     if cold:
         await run_in_thread(evict, url)
     cached = await run_in_thread(cached_share, url)  # not the loop's default executor, whose threads stay
@@ -169,6 +172,7 @@ async def bench_stream(
             concurrency=concurrency,
             chunk_bytes=chunk_bytes,
             progress=progress,
+            in_order=in_order,
             **options,
         ) as s:
             async for pair in s:
@@ -192,6 +196,7 @@ async def bench_stream(
         "max_inflight_bytes": max_inflight_bytes,
         "concurrency": concurrency,
         "chunk_bytes": chunk_bytes,
+        "in_order": in_order,
         "overdraft_bytes": st.overdraft_bytes,  # read outside the budget (none: each tensor is dropped)
         **probe.row(),
         "host": host(),

@@ -170,6 +170,7 @@ async def _bench(args: argparse.Namespace) -> int:
         raise UsageError("--cold drops a local checkpoint from the page cache; this one is remote", url=args.path)
     options: dict[str, Any] = {"read": args.read} if args.read else {}
     options["cold"] = args.cold
+    options["in_order"] = not args.any_order
     if args.verify:
         options["verify"] = args.verify
     if args.sweep:
@@ -305,6 +306,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="drop a local checkpoint from the page cache before each run, so that it is read from the disk "
         "(pages another process has mapped stay)",
+    )
+    p_bench.add_argument(
+        "--any-order",
+        action="store_true",
+        help="take a tensor that is ready before one ahead of it still being read, as `aload.load` hands "
+        "them to a model (default: file order, as `aload.stream` yields them); what a load gains where part "
+        "of the checkpoint must come from the disk",
     )
     p_bench.add_argument("--json", help="write the row(s) here, one JSON object per line")
     args = parser.parse_args(argv)

@@ -115,6 +115,19 @@ def test_bench_drops_each_tensor_before_asking_for_the_next(tmp_path: Path) -> N
     assert row["tensors"] == 4 and row["overdraft_bytes"] == 0
 
 
+def test_bench_takes_tensors_in_file_order_unless_asked_for_any_order(tmp_path: Path) -> None:
+    """``--any-order`` streams as ``aload.load`` hands tensors to a model (a ready one before one
+    ahead of it still being read); the row says which order it measured."""
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.randn(1 << 18) for i in range(4)}, str(path))  # 1 MiB each
+    out = tmp_path / "rows.jsonl"
+    for flags, in_order in (((), True), (("--any-order",), False)):
+        done = run("bench", str(path), "-q", "--json", str(out), *flags)
+        assert done.returncode == 0, done.stderr
+        row = json.loads(out.read_text())
+        assert row["in_order"] is in_order and row["tensors"] == 4 and row["bytes"] == 4 << 20
+
+
 def test_bench_says_how_much_of_a_local_checkpoint_the_page_cache_held(tmp_path: Path) -> None:
     """A local figure is memory's speed when the page cache held the files (in the default mode
     not even that: the tensors are views of it), the disk's when not: ``aload bench`` says which
