@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import os
@@ -621,6 +622,8 @@ async def test_a_view_dropped_on_the_loop_lets_its_pages_go_over_several_turns(
             await asyncio.sleep(0)
     finally:
         tick.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await tick
     if not released:
         pytest.skip("the file was not mapped here")
     assert stats.overdraft_bytes == 0 and stats.peak_inflight_bytes <= 2 * MiB
