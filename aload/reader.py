@@ -120,6 +120,13 @@ class Reader:
         self._pin = pin
         self._chunk = chunk_bytes
         self._gate = asyncio.Semaphore(concurrency)
+        # Reads that wait for a local disk take slots of their own: they do not hold up copies
+        # out of the page cache behind them (``in_order=False``).
+        self._disk_gate = asyncio.Semaphore(concurrency) if not in_order else self._gate
+        # Out of order, units on disk taken off the queue (``_next_ready``) besides the few
+        # others, up to a budget's worth of bytes: their tasks and sizes.
+        self._disk: dict[asyncio.Task[None], int] = {}
+        self._disk_ahead = max_inflight_bytes
         # Units read ahead of the consumer: ``2 * concurrency`` queued; out of order, half of them
         # queued and half (at least 2) taken off the queue to wait for their reads (``_next_ready``).
         self._queue: asyncio.Queue[tuple[Unit, Lease | None, asyncio.Task[None]] | None] = asyncio.Queue(
@@ -274,6 +281,9 @@ class Reader:
                 self._releasing -= 1
                 self._released_threadsafe(kind, start, n, None)
 
+    def _on_disk(self, unit: Unit) -> bool:
+        return unit.nbytes > 0 and not unit.scatter and unit.source.on_disk(unit.start, unit.nbytes)
+
     def _on_loop(self) -> bool:
         try:
             return asyncio.get_running_loop() is self._loop
@@ -313,6 +323,8 @@ class Reader:
             task = self._track(asyncio.ensure_future(self._read(unit, lease)))
             if self._digests is not None and unit.items:
                 task = self._track(self._digests.chain(task, unit, lease.tensor if lease is not None else unit.dest))
+            if not self._in_order and self._on_disk(unit):
+                self._disk[task] = unit.nbytes
             await self._queue.put((unit, lease, task))
             del lease
         await self._queue.put(None)
@@ -333,11 +345,12 @@ class Reader:
             self.stats.direct_bytes += unit.nbytes
             return
         buffered = self._buffered(unit)
+        gate = self._disk_gate if self._on_disk(unit) else self._gate
         if lease is not None and lease.kind != MAPPED:
             await self._prefault(lease)
         if lease is not None and lease.frame is not None:
             frame = memoryview(lease.frame)  # type: ignore[arg-type]
-            await self._read_frame(unit, frame, lease.pad, buffered)
+            await self._read_frame(unit, frame, lease.pad, buffered, gate)
             return
         if lease is not None and lease.kind == MAPPED:
             buf = None  # zero copy: reading is bringing the file's pages in
@@ -354,9 +367,10 @@ class Reader:
             # them queued while its chunks are populated two at a time.
             await unit.source.prefetch(unit.start, unit.nbytes)
         if piece >= unit.nbytes:  # one read: awaited here, not in a task of its own
-            await self._read_chunk(unit, buf, 0, unit.nbytes, buffered)
+            await self._read_chunk(unit, buf, 0, unit.nbytes, buffered, gate)
         else:
-            await asyncio.gather(*(self._read_chunk(unit, buf, off, n, buffered) for off, n in unit.chunks(piece)))
+            chunks = unit.chunks(piece)
+            await asyncio.gather(*(self._read_chunk(unit, buf, off, n, buffered, gate) for off, n in chunks))
         if unit.dest is not None:
             self.stats.direct_bytes += unit.nbytes
 
@@ -373,11 +387,13 @@ class Reader:
             self._arena.warm = max(self._arena.warm, hi)
             await self._helper.run(prefault, self._arena.array(), lo, hi)
 
-    async def _read_chunk(self, unit: Unit, buf: memoryview | None, off: int, n: int, buffered: bool) -> None:
+    async def _read_chunk(
+        self, unit: Unit, buf: memoryview | None, off: int, n: int, buffered: bool, gate: asyncio.Semaphore
+    ) -> None:
         # A view in the page cache needs no read, so no read slot: it is not held up behind the
         # reads of one on disk (``in_order=False`` hands it out before that one).
         free = buf is None and unit.source.in_memory(unit.start + off, n)
-        async with contextlib.nullcontext() if free else self._gate:
+        async with contextlib.nullcontext() if free else gate:
             if buf is None:
                 await unit.source.populate(unit.start + off, n)
             else:
@@ -391,7 +407,9 @@ class Reader:
         self.stats.bytes_read += n
         self.stats.reads += 1
 
-    async def _read_frame(self, unit: Unit, frame: memoryview, pad: int, buffered: bool) -> None:
+    async def _read_frame(
+        self, unit: Unit, frame: memoryview, pad: int, buffered: bool, gate: asyncio.Semaphore
+    ) -> None:
         """A unit read straight into its ``frame`` (``Source.read_frame``), in chunks of whole
         blocks that start where the file's blocks do; each counts the unit's bytes it holds."""
         need, base = pad + unit.nbytes, unit.start - pad
@@ -399,7 +417,7 @@ class Reader:
 
         async def chunk(off: int) -> None:
             end = min(off + step, len(frame))
-            async with self._gate:
+            async with gate:
                 await unit.source.read_frame(base + off, frame[off:end], min(end, need) - off)
             self._count_read(min(end, need) - max(off, pad), buffered)
 
@@ -484,12 +502,16 @@ class Reader:
     async def _next_ready(self) -> tuple[Unit, Lease | None, asyncio.Task[None]] | None:
         """The first unit in plan order whose read is done, of up to ``concurrency`` (at least 2)
         taken off the queue (``in_order=False``): a unit that waits for the disk lets the ones behind it
-        that sit in the page cache go first, and the consumer copies them meanwhile."""
+        that sit in the page cache go first, and the consumer copies them meanwhile. Units read
+        from a local disk are taken off besides those, up to a budget's worth of bytes
+        (``_room``), and read in slots of their own: the units in the page cache behind a stretch
+        on disk are read while the disk works (each shard of the 4 GiB checkpoint a tenth
+        evicted, built-in: 12.7 -> 17.2 GB/s)."""
         waiting, limit = self._waiting, max(2, self._queue.maxsize)
         producer = self._producer
         assert producer is not None
         while True:
-            while not self._queue.empty() and len(waiting) < limit:
+            while not self._queue.empty() and self._room(limit):
                 waiting.append(self._queue.get_nowait())
             for i, entry in enumerate(waiting):
                 if entry is None:  # the end: only once every unit before it is handed out
@@ -499,8 +521,9 @@ class Reader:
                     break
                 if entry[2].done():
                     del waiting[i]
+                    self._disk.pop(entry[2], None)
                     return entry
-            more = len(waiting) < limit and (not waiting or waiting[-1] is not None)
+            more = self._room(limit) and (not waiting or waiting[-1] is not None)
             get = asyncio.ensure_future(self._queue.get()) if more else None
             aws: list[asyncio.Future[Any]] = [e[2] for e in waiting if e is not None]
             if get is not None:
@@ -522,6 +545,13 @@ class Reader:
                 self._pending_get = None
                 if get is not None and not get.done():  # cancelled meanwhile: take nothing more
                     get.cancel()
+
+    def _room(self, limit: int) -> bool:
+        """Whether ``_next_ready`` takes another unit off the queue: fewer than ``limit`` units
+        waiting besides those on disk, and those on disk less than a budget's worth of bytes (so
+        that the units in the page cache behind a stretch on disk are read meanwhile)."""
+        disk = [self._disk[e[2]] for e in self._waiting if e is not None and e[2] in self._disk]
+        return len(self._waiting) - len(disk) < limit and sum(disk) < self._disk_ahead
 
     async def aclose(self) -> None:
         """Stop producing and wait for every read started (their buffers may still be written)."""

@@ -80,6 +80,11 @@ class Source(ABC):
         """No tensor views these bytes any more: let their memory go (from any thread)."""
         return None
 
+    def on_disk(self, offset: int, length: int) -> bool:
+        """Whether reading these bytes waits for a local disk (a file's pages not in the page
+        cache, read past it); asked once ``ready`` has been awaited."""
+        return False
+
     def piece_bytes(self, chunk_bytes: int, offset: int, length: int, mapped: bool = False) -> int:
         """The largest single read into a buffer or a destination, or (``mapped``) the largest
         single ``populate`` of a view, for the unit of ``length`` bytes at ``offset``
