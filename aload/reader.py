@@ -127,6 +127,7 @@ class Reader:
         # others, up to a budget's worth of bytes: their tasks and sizes.
         self._disk: dict[asyncio.Task[None], int] = {}
         self._disk_ahead = max_inflight_bytes
+        self._disk_waiting = [0, 0]  # of those, taken off the queue and not handed out: units, bytes
         # Units read ahead of the consumer: ``2 * concurrency`` queued; out of order, half of them
         # queued and half (at least 2) taken off the queue to wait for their reads (``_next_ready``).
         self._queue: asyncio.Queue[tuple[Unit, Lease | None, asyncio.Task[None]] | None] = asyncio.Queue(
@@ -512,7 +513,7 @@ class Reader:
         assert producer is not None
         while True:
             while not self._queue.empty() and self._room(limit):
-                waiting.append(self._queue.get_nowait())
+                self._take(self._queue.get_nowait())
             for i, entry in enumerate(waiting):
                 if entry is None:  # the end: only once every unit before it is handed out
                     if i == 0:
@@ -521,7 +522,10 @@ class Reader:
                     break
                 if entry[2].done():
                     del waiting[i]
-                    self._disk.pop(entry[2], None)
+                    n = self._disk.pop(entry[2], None)
+                    if n is not None:
+                        self._disk_waiting[0] -= 1
+                        self._disk_waiting[1] -= n
                     return entry
             more = self._room(limit) and (not waiting or waiting[-1] is not None)
             get = asyncio.ensure_future(self._queue.get()) if more else None
@@ -536,7 +540,7 @@ class Reader:
                 await asyncio.wait(aws, return_when=asyncio.FIRST_COMPLETED)
                 if get is not None:
                     if get.done():
-                        waiting.append(get.result())
+                        self._take(get.result())
                     else:
                         get.cancel()
                 if producer.done() and not producer.cancelled() and producer.exception() is not None:
@@ -550,8 +554,15 @@ class Reader:
         """Whether ``_next_ready`` takes another unit off the queue: fewer than ``limit`` units
         waiting besides those on disk, and those on disk less than a budget's worth of bytes (so
         that the units in the page cache behind a stretch on disk are read meanwhile)."""
-        disk = [self._disk[e[2]] for e in self._waiting if e is not None and e[2] in self._disk]
-        return len(self._waiting) - len(disk) < limit and sum(disk) < self._disk_ahead
+        units, nbytes = self._disk_waiting
+        return len(self._waiting) - units < limit and nbytes < self._disk_ahead
+
+    def _take(self, entry: tuple[Unit, Lease | None, asyncio.Task[None]] | None) -> None:
+        self._waiting.append(entry)
+        n = self._disk.get(entry[2]) if entry is not None else None
+        if n is not None:
+            self._disk_waiting[0] += 1
+            self._disk_waiting[1] += n
 
     async def aclose(self) -> None:
         """Stop producing and wait for every read started (their buffers may still be written)."""
