@@ -324,7 +324,10 @@ class Reader:
             task = self._track(asyncio.ensure_future(self._read(unit, lease)))
             if self._digests is not None and unit.items:
                 task = self._track(self._digests.chain(task, unit, lease.tensor if lease is not None else unit.dest))
-            if not self._in_order and self._on_disk(unit):
+            # Not units read into buffers: read ahead, they hold the budget's memory while the
+            # consumer's thread sets the pace (4 GiB partly evicted through ``load_weights``: the
+            # whole budget touched, 2 GB/s where fresh memory is slow).
+            if not self._in_order and not self._buffered(unit) and self._on_disk(unit):
                 self._disk[task] = unit.nbytes
             await self._queue.put((unit, lease, task))
             del lease
