@@ -507,7 +507,8 @@ class Reader:
         """The first unit in plan order whose read is done, of up to ``concurrency`` (at least 2)
         taken off the queue (``in_order=False``): a unit that waits for the disk lets the ones behind it
         that sit in the page cache go first, and the consumer copies them meanwhile. Units read
-        from a local disk are taken off besides those, up to a budget's worth of bytes
+        from a local disk straight into their destinations are taken off besides those, up to a
+        budget's worth of bytes
         (``_room``), and read in slots of their own: the units in the page cache behind a stretch
         on disk are read while the disk works (each shard of the 4 GiB checkpoint a tenth
         evicted, built-in: 12.7 -> 17.2 GB/s)."""
