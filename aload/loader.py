@@ -100,7 +100,7 @@ async def load(
     the call, and the first error is the one raised.
 
     ``in_order`` (default False): tensors come in shard order, then offset order, except that one
-    whose bytes must come from the disk lets the next few behind it that sit in the page cache go
+    whose bytes must come from the disk lets the ones behind it that sit in the page cache go
     first, so the loader copies those while the disk works (a checkpoint a tenth evicted, through
     ``load_weights``: 1 GiB 6.6 -> 9.9 GB/s). A model's loader matches tensors by name, so the order
     does not change what it loads; True keeps ``aload.stream``'s order throughout.

@@ -123,10 +123,9 @@ class Reader:
         # Reads that wait for a local disk take slots of their own: they do not hold up copies
         # out of the page cache behind them (``in_order=False``).
         self._disk_gate = asyncio.Semaphore(concurrency) if not in_order else self._gate
-        # Out of order, units on disk taken off the queue (``_next_ready``) besides the few
-        # others, up to a budget's worth of bytes: their tasks and sizes.
-        self._disk: dict[asyncio.Task[None], int] = {}
-        self._disk_ahead = max_inflight_bytes
+        # Out of order, the tasks of units on disk that ``_next_ready`` takes off the queue besides
+        # the few others, up to a budget's worth of bytes (``_room``).
+        self._disk: set[asyncio.Task[None]] = set()
         self._disk_waiting = [0, 0]  # of those, taken off the queue and not handed out: units, bytes
         # Units read ahead of the consumer: ``2 * concurrency`` queued; out of order, half of them
         # queued and half (at least 2) taken off the queue to wait for their reads (``_next_ready``).
@@ -328,7 +327,7 @@ class Reader:
             # consumer's thread sets the pace (4 GiB partly evicted through ``load_weights``: the
             # whole budget touched, 2 GB/s where fresh memory is slow).
             if not self._in_order and not self._buffered(unit) and self._on_disk(unit):
-                self._disk[task] = unit.nbytes
+                self._disk.add(task)
             await self._queue.put((unit, lease, task))
             del lease
         await self._queue.put(None)
@@ -508,10 +507,9 @@ class Reader:
         taken off the queue (``in_order=False``): a unit that waits for the disk lets the ones behind it
         that sit in the page cache go first, and the consumer copies them meanwhile. Units read
         from a local disk straight into their destinations are taken off besides those, up to a
-        budget's worth of bytes
-        (``_room``), and read in slots of their own: the units in the page cache behind a stretch
-        on disk are read while the disk works (each shard of the 4 GiB checkpoint a tenth
-        evicted, built-in: 12.7 -> 17.2 GB/s)."""
+        budget's worth of bytes (``_room``), and read in slots of their own: the units in the page
+        cache behind a stretch on disk are read while the disk works (each shard of the 4 GiB
+        checkpoint a tenth evicted, built-in: 12.7 -> 17.2 GB/s)."""
         waiting, limit = self._waiting, max(2, self._queue.maxsize)
         producer = self._producer
         assert producer is not None
@@ -526,10 +524,10 @@ class Reader:
                     break
                 if entry[2].done():
                     del waiting[i]
-                    n = self._disk.pop(entry[2], None)
-                    if n is not None:
+                    if entry[2] in self._disk:
+                        self._disk.discard(entry[2])
                         self._disk_waiting[0] -= 1
-                        self._disk_waiting[1] -= n
+                        self._disk_waiting[1] -= entry[0].nbytes
                     return entry
             more = self._room(limit) and (not waiting or waiting[-1] is not None)
             get = asyncio.ensure_future(self._queue.get()) if more else None
@@ -559,14 +557,13 @@ class Reader:
         waiting besides those on disk, and those on disk less than a budget's worth of bytes (so
         that the units in the page cache behind a stretch on disk are read meanwhile)."""
         units, nbytes = self._disk_waiting
-        return len(self._waiting) - units < limit and nbytes < self._disk_ahead
+        return len(self._waiting) - units < limit and nbytes < self._arena.capacity
 
     def _take(self, entry: tuple[Unit, Lease | None, asyncio.Task[None]] | None) -> None:
         self._waiting.append(entry)
-        n = self._disk.get(entry[2]) if entry is not None else None
-        if n is not None:
+        if entry is not None and entry[2] in self._disk:
             self._disk_waiting[0] += 1
-            self._disk_waiting[1] += n
+            self._disk_waiting[1] += entry[0].nbytes
 
     async def aclose(self) -> None:
         """Stop producing and wait for every read started (their buffers may still be written)."""
