@@ -21,6 +21,7 @@ from torch import nn
 from ._threads import Pacer, paced
 from .errors import LoadError
 from .format import TensorSpec
+from .plan import DIRECT_MIN_BYTES
 from .stages import Pair
 
 Hook = Callable[[nn.Module], None]
@@ -176,10 +177,16 @@ class Loader:
         self, model: nn.Module, device: torch.device
     ) -> Callable[[str, TensorSpec], torch.Tensor | None] | None:
         """Where the built-in loader can have bytes read straight into the parameter; None
-        when the model brings its own ``load_weights`` (it decides where weights go)."""
+        when the model brings its own ``load_weights`` (it decides where weights go). A
+        parameter on ``device``, a GPU, takes tensors of at least ``plan.DIRECT_MIN_BYTES``: the
+        reader copies them on in pieces through pinned memory (smaller ones come in runs, and
+        are copied here)."""
         if hasattr(model, "load_weights"):
             return None
         targets = self._walked_for(model).targets
+        gpu = -2  # the GPU index whose parameters the load's stream can copy into; -2: none
+        if device.type == "cuda":
+            gpu = device.index if device.index is not None else torch.cuda.current_device()
 
         def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
             # Asked of every tensor (small ones are read straight in too), so the cheapest checks
@@ -187,7 +194,9 @@ class Loader:
             # parameter itself rather than ``.data``: a new tensor object per tensor set off
             # collections of the whole model (89,820 tensors: 2-7 us each instead of ~0.9).
             t = targets.get(name)
-            if t is None or t.shape != spec.shape or t.dtype != spec.torch_dtype or not t.is_cpu:
+            if t is None or t.shape != spec.shape or t.dtype != spec.torch_dtype:
+                return None
+            if not t.is_cpu and (spec.nbytes < DIRECT_MIN_BYTES or t.get_device() != gpu):
                 return None
             return t if t.is_contiguous() else None
 

@@ -8,9 +8,12 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
 from typing import Any
 
+import torch
+
 from .arena import UnitView
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint, ReadAhead, _open, run_off_loop
 from .errors import UsageError
+from .format import TensorSpec
 from .integrity import Manifest, ShardHash, digests_for
 from .plan import DestFn, Unit, make_plan
 from .reader import (
@@ -26,6 +29,14 @@ from .reader import (
 from .stages import Pair, Stage, split_for_plan
 
 _PLAN_INLINE_TENSORS = 2000
+
+
+def _on_the_cpu(dest: DestFn) -> DestFn:
+    def cpu_only(name: str, spec: TensorSpec) -> torch.Tensor | None:
+        t = dest(name, spec)
+        return t if t is None or t.is_cpu else None
+
+    return cpu_only
 
 
 class TensorStream:
@@ -48,6 +59,7 @@ class TensorStream:
         destinations: DestFn | None = None,
         pin: bool = False,
         release_event: Callable[[], Any] | None = None,
+        device_copy: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
         t0: float | None = None,
         verify: Manifest | None = None,
         in_order: bool = True,
@@ -64,6 +76,7 @@ class TensorStream:
             chunk_bytes=chunk_bytes,
             pin=pin,
             release_event=release_event,
+            device_copy=device_copy,
             progress=progress,
             t0=self._t0,
             in_order=in_order,
@@ -72,7 +85,10 @@ class TensorStream:
         self._chunk_bytes, self._budget = chunk_bytes, max_inflight_bytes
         self._options = options or {}
         self._verify = None if verify is False else verify  # type: ignore[comparison-overlap]  # False reads as off
-        # Reading straight into a destination skips tensor stages, so only without them.
+        # Reading straight into a destination skips tensor stages, so only without them. A GPU
+        # destination needs a stream to copy on, and its bytes pass no digest: else it is not one.
+        if destinations is not None and (device_copy is None or self._verify is not None):
+            destinations = _on_the_cpu(destinations)
         self._dest = destinations if not self._stages else None
         self.checkpoint: Checkpoint | None = source if isinstance(source, Checkpoint) else None
         self._owns = self.checkpoint is None

@@ -51,7 +51,8 @@ FILLED_RUN_TENSORS = 256
 
 #: Plan-time renaming: the final name of a tensor, or None to drop it unread.
 NameFn = Callable[[str], "str | None"]
-#: The tensor to read ``spec`` straight into (CPU, contiguous, same dtype and size), or None.
+#: The tensor to read ``spec`` straight into (contiguous, same dtype and size; on a GPU, read
+#: through pinned memory), or None.
 DestFn = Callable[[str, TensorSpec], "torch.Tensor | None"]
 
 
@@ -82,6 +83,11 @@ class Unit:
     #: A ``scatter`` unit that the reader fills, on a read thread (``Source.scatter_read``), before
     #: handing it on; otherwise the reader only brings its bytes in and its consumer fills it.
     filled: bool = False
+
+    @property
+    def on_device(self) -> bool:
+        """Bound for a GPU parameter: read through pinned memory a piece at a time (``Reader._read_staged``)."""
+        return self.dest is not None and not self.dest.is_cpu
 
     @property
     def in_place(self) -> bool:
@@ -171,7 +177,9 @@ def _make_plan(
                 target = dest(name, spec)
         else:
             below = s_below
-        if n > chunk_bytes or (target is not None and n >= max(DIRECT_MIN_BYTES, below)):
+        # A GPU destination (at least DIRECT_MIN_BYTES, ``Loader.destinations``) is a unit of its
+        # own: a scattering read fills host memory only.
+        if n > chunk_bytes or (target is not None and (n >= max(DIRECT_MIN_BYTES, below) or not target.is_cpu)):
             item = _new_tuple(Item, (spec, name, 0, skip, None))
             untrack(item)
             units.append(Unit(ckpt.source(spec), start, n, [item], target))

@@ -46,6 +46,14 @@ SMALL_MEAN_BYTES = 64 << 10
 RELEASE_STEP_BYTES = 4 << 20
 RELEASE_TURN_S = 0.0002
 
+#: A tensor bound for a GPU parameter (``Unit.on_device``) is read a piece of this size at a time
+#: into pinned memory, each piece copied on to its part of the parameter on the load's CUDA
+#: stream while the next is read; a unit holds ``STAGE_SLOTS`` pieces of the budget at once.
+STAGE_PIECE_BYTES = 8 << 20
+STAGE_SLOTS = 4
+#: How often a piece waiting to be reused asks whether its copy to the GPU has completed.
+STAGE_POLL_S = 0.0002
+
 
 @dataclass
 class ReaderStats:
@@ -56,6 +64,7 @@ class ReaderStats:
     bytes_read: int = 0
     reads: int = 0
     direct_bytes: int = 0  # read straight into their destination, outside the budget
+    staged_bytes: int = 0  # read a piece at a time into pinned memory and copied on to a GPU parameter
     inflight_bytes: int = 0
     peak_inflight_bytes: int = 0
     budget_waits: int = 0
@@ -71,6 +80,12 @@ class ReaderStats:
     # How most bytes from the page cache came into their destinations, "pread" or "map"
     # (``aload.warmcopy``); None where none did (a remote store, views handed out, a cold file).
     warm_copy: str | None = None
+
+
+async def _completed(event: Any) -> None:
+    """Once ``event`` (a CUDA event, or None) has completed, asking every ``STAGE_POLL_S``."""
+    while event is not None and not event.query():
+        await asyncio.sleep(STAGE_POLL_S)
 
 
 def first_tensor(ttft_s: float | None, opened_s: float | None, planned_s: float | None) -> str:
@@ -104,6 +119,7 @@ class Reader:
         chunk_bytes: int,
         pin: bool = False,
         release_event: Callable[[], Any] | None = None,
+        device_copy: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
         progress: Callable[[Progress], None] | None = None,
         t0: float | None = None,
         hashes: dict[str, ShardHash] | None = None,
@@ -119,6 +135,9 @@ class Reader:
         self._arena = Arena(max_inflight_bytes, pin)
         self._pin = pin
         self._chunk = chunk_bytes
+        # A piece of a unit bound for a GPU, and the most pinned memory one such unit holds.
+        self._stage = max(1 << 20, min(chunk_bytes, STAGE_PIECE_BYTES, max_inflight_bytes // (2 * STAGE_SLOTS)))
+        self._stage_max = min(STAGE_SLOTS * self._stage, max(self._stage, max_inflight_bytes // 2))
         self._gate = asyncio.Semaphore(concurrency)
         # Reads that wait for a local disk take slots of their own: they do not hold up copies
         # out of the page cache behind them (``in_order=False``).
@@ -139,6 +158,9 @@ class Reader:
         self._waiting: list[tuple[Unit, Lease | None, asyncio.Task[None]] | None] = []
         self._releasing = 0  # views whose pages are being let go a step a turn (``_release_steps``)
         self._release_event = release_event
+        # For units bound for a GPU: enqueues copy(dst, src) on the load's stream, returns an
+        # event that completes with it (``_read_staged``).
+        self._device_copy = device_copy
         self._progress = progress
         self._loop = asyncio.get_running_loop()
         self._t0 = time.perf_counter() if t0 is None else t0
@@ -190,7 +212,7 @@ class Reader:
 
     def _mappable(self, unit: Unit) -> bool:
         # Pinned buffers are what a GPU copies from asynchronously; a mapped file is not pinned.
-        if self._pin:
+        if self._pin or unit.on_device:
             return False
         if unit.source.maps(unit.start, unit.nbytes):
             return True
@@ -223,7 +245,7 @@ class Reader:
         """A region of the arena (None when none is free) or a fresh allocation for ``unit``: the
         whole blocks of the file around it where the source reads straight into them."""
         n = unit.nbytes
-        align = 0 if self._pin else unit.source.frame_align(unit.start, n)
+        align = 0 if self._pin or unit.on_device else unit.source.frame_align(unit.start, n)
         pad = unit.start % align if align else 0
         size = -(-(pad + n) // align) * align if align else n
         if from_arena:
@@ -310,6 +332,10 @@ class Reader:
         self.stats.verified_shards += 1
 
     async def _produce(self) -> None:
+        if self._pin and any(not unit.in_place or unit.on_device for unit in self.plan.units):
+            # Pinning is slow (64 MiB ~30 ms, 512 MiB ~245 ms on an H200 host): on a thread, not
+            # on the event loop at the first lease (1 GiB into a GPU model: p99 lateness 42 ms).
+            await self._helper.run(self._arena.array)
         for unit in self.plan.units:
             # Every source was made ready before the plan (``all_ready``, all at once): at once,
             # unless that failed, which is raised here.
@@ -319,8 +345,17 @@ class Reader:
                     self._changed.clear()
                     await self._changed.wait()
                 self._unread += unit.nbytes
-            lease = await self._acquire(unit) if not unit.in_place and unit.nbytes else None
-            task = self._track(asyncio.ensure_future(self._read(unit, lease)))
+            if unit.on_device:
+                # Its pieces' pinned memory leased here, in plan order, as other units' buffers are:
+                # a unit ahead of it never waits for budget that units behind it hold.
+                pieces = Unit(unit.source, unit.start, min(unit.nbytes, self._stage_max), dest=unit.dest)
+                stage = await self._acquire(pieces)
+                task = self._track(asyncio.ensure_future(self._read_staged(unit, stage)))
+                lease = None
+                del stage, pieces
+            else:
+                lease = await self._acquire(unit) if not unit.in_place and unit.nbytes else None
+                task = self._track(asyncio.ensure_future(self._read(unit, lease)))
             if self._digests is not None and unit.items:
                 task = self._track(self._digests.chain(task, unit, lease.tensor if lease is not None else unit.dest))
             # Not units read into buffers: read ahead, they hold the budget's memory while the
@@ -331,6 +366,35 @@ class Reader:
             await self._queue.put((unit, lease, task))
             del lease
         await self._queue.put(None)
+
+    async def _read_staged(self, unit: Unit, stage: Lease) -> None:
+        """A unit bound for a GPU parameter: read a piece at a time into ``stage`` (pinned memory
+        of the budget, up to ``STAGE_SLOTS`` pieces), each piece copied on to its part of the parameter
+        on the load's stream, and its slot read into again once that copy has completed. The
+        unit is handed on once its copies have completed."""
+        assert unit.dest is not None and self._device_copy is not None and stage.tensor is not None
+        # The parameter's bytes: a tensor ``destinations`` found contiguous, of the checkpoint's dtype and size.
+        dest = unit.dest.detach().view(-1).view(torch.uint8)
+        memory, piece, n = stage.tensor, self._stage, unit.nbytes
+        slots = max(1, memory.numel() // piece)
+        del stage  # the slots hold the memory; it goes back once the last copy from it completes
+        gate = self._disk_gate if self._on_disk(unit) else self._gate
+
+        async def slot(first: int) -> None:
+            region = memory[first * piece : (first + 1) * piece]
+            event = None
+            for off in range(first * piece, n, slots * piece):
+                size = min(piece, n - off)
+                await _completed(event)  # its last copy no longer reads this memory
+                async with gate:
+                    await unit.source.readinto(unit.start + off, byte_view(region[:size]))
+                assert self._device_copy is not None
+                event = self._device_copy(dest[off : off + size], region[:size])
+                self._count_read(size, False)
+            await _completed(event)
+
+        await asyncio.gather(*(slot(i) for i in range(min(slots, -(-n // piece)))))
+        self.stats.staged_bytes += n
 
     async def _read(self, unit: Unit, lease: Lease | None) -> None:
         if unit.nbytes == 0:

@@ -44,7 +44,8 @@ LOADERS = {
     "sglang_window": "load_file in a pool of 4 with a FIFO window of max_workers + 1 shard futures (sglang)",
     "runai": "Run:ai Model Streamer, its defaults",
     "runai_best": "Run:ai Model Streamer at the concurrency that did best here",
-    "fastsafetensors": "fastsafetensors on the CPU (nogds)",
+    "fastsafetensors": "fastsafetensors on the CPU (nogds); with --device cuda, onto the GPU (nogds: through its pinned buffers)",
+    "load_file_gpu": "safetensors.torch.load_file(shard, device=...) per shard, then copy_ on the GPU (--device cuda only)",
 }
 
 
@@ -184,9 +185,9 @@ def evict_head(folder: Path, share: float = PARTIAL_EVICT) -> None:
         os.close(fd)
 
 
-def preallocated_model(folder: Path) -> tuple[Any, dict[str, Any]]:
-    """A bf16 module tree with a parameter per checkpoint tensor, every page touched (as an engine
-    allocates its model before loading), and its parameters by name."""
+def preallocated_model(folder: Path, device: str = "cpu") -> tuple[Any, dict[str, Any]]:
+    """A bf16 module tree with a parameter per checkpoint tensor on ``device``, every page touched
+    (as an engine allocates its model before loading), and its parameters by name."""
     import torch
     from safetensors import safe_open
 
@@ -197,7 +198,7 @@ def preallocated_model(folder: Path) -> tuple[Any, dict[str, Any]]:
         with safe_open(str(f), "pt") as st:
             for k in st.keys():
                 shapes[k] = tuple(st.get_slice(k).get_shape())
-    model = empty_model(shapes, torch.bfloat16)  # zeros: every page touched before timing
+    model = empty_model(shapes, torch.bfloat16, device)  # zeros: every page touched before timing
     return model, dict(model.named_parameters())
 
 
@@ -250,10 +251,15 @@ def peer_iterator(loader: str, files: list[str], runai_concurrency: int | None) 
         with SafetensorsStreamer() as streamer:
             streamer.stream_files(files)
             yield from streamer.get_tensors()
+    elif loader == "load_file_gpu":
+        for f in files:
+            yield from load_file(f, device=DEVICE).items()
     elif loader == "fastsafetensors":
+        import torch
         from fastsafetensors import fastsafe_open
 
-        with fastsafe_open(files, nogds=True, device="cpu") as f:
+        device = f"cuda:{torch.cuda.current_device()}" if DEVICE == "cuda" else DEVICE  # it wants an index
+        with fastsafe_open(files, nogds=True, device=device) as f:
             for k in f.keys():
                 yield k, f.get_tensor(k)
     else:
@@ -269,7 +275,8 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
     from aload.local import cached_share
 
     files = [str(p) for p in shards(folder)]
-    model, params = preallocated_model(folder)
+    model, params = preallocated_model(folder, DEVICE)
+    cuda = DEVICE.startswith("cuda")
     if GC_COLLECT:
         gc.collect()
     # The page cache is set up here, after the model is allocated: warmed before, an 8 GiB
@@ -297,16 +304,24 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
             copy_in(name, t)
 
     async def main() -> dict[str, Any]:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        gpu0 = torch.cuda.memory_allocated() if cuda else 0
         cpu0 = time.process_time()
         async with Probe() as probe:
             t0 = time.perf_counter()
             warm_copy = None
             if loader in ("aload", "aload_lw"):
-                report = await aload.load(model if loader == "aload" else Engine(), folder)
+                # The engine's parameters live in its own tree (not walked here): where they are is said.
+                where = DEVICE if cuda else None
+                report = await aload.load(model if loader == "aload" else Engine(), folder, device=where)
                 ttft, warm_copy = report.ttft_s, report.warm_copy
             else:
                 await asyncio.to_thread(blocking)
                 ttft = first[0] - t0 if first else None
+            if cuda:  # every copy complete (aload.load returns after its own stream's)
+                await asyncio.to_thread(torch.cuda.synchronize)
             seconds = time.perf_counter() - t0
         trace = probe.trace[:: max(1, len(probe.trace) // 400)]
         return {
@@ -314,6 +329,8 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
             "ttft_s": ttft,
             "cpu_s": time.process_time() - cpu0,
             "warm_copy": warm_copy,  # aload: how the page cache was copied ("pread", "map", None)
+            # GPU memory allocated beyond the model's own at the peak (a loader's staging tensors)
+            "peak_gpu_delta_bytes": torch.cuda.max_memory_allocated() - gpu0 if cuda else None,
             **probe.row(),
             "mem_trace": [(round(t, 4), a, r) for t, a, r in trace],
         }
@@ -322,11 +339,12 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
     last = list(params)[-1]
     with safe_open(files[-1], "pt") as st:  # the model really holds the checkpoint's bytes
         k = list(st.keys())[-1]
-        assert torch.equal(params[k], st.get_tensor(k)), (loader, k, last)
+        assert torch.equal(params[k].cpu(), st.get_tensor(k)), (loader, k, last)
     total = sum(p.nbytes for p in params.values())
     return {
         "loader": loader,
         "source": "file",
+        "device": DEVICE,
         "bytes": total,
         "tensors": len(params),
         "gbps": total / row["seconds"] / 1e9,
@@ -347,13 +365,15 @@ SWITCH_INTERVAL: float | None = None
 #: lateness 80-105 ms), safe_open and Run:ai did not. The suite compares the loaders, not which
 #: one set off the harness's collection; troubleshooting.md tells a server to do the same.
 GC_COLLECT = True
+#: Where the model's parameters live (``--device``): "cpu", or "cuda" for a model on the GPU.
+DEVICE = "cpu"
 
 
 def child(loader: str, folder: Path, runai_c: int | None, scenario: str = "warm") -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--run", loader, "--ckpt", str(folder), "--scenario", scenario]
     if SWITCH_INTERVAL is not None:
         cmd += ["--switch-interval", str(SWITCH_INTERVAL)]
-    cmd += ["--gc-collect" if GC_COLLECT else "--no-gc-collect"]
+    cmd += ["--gc-collect" if GC_COLLECT else "--no-gc-collect", "--device", DEVICE]
     if runai_c:
         cmd += ["--runai-concurrency", str(runai_c)]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -370,9 +390,11 @@ def fmt(values: list[Any], scale: float = 1.0, digits: int = 2) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    gpu = any(r.get("peak_gpu_delta_bytes") is not None for r in rows)  # a run with --device cuda
     head = (
         "| scenario | loader | GB/s | seconds | ttft ms | peak anon MiB | peak RSS MiB | loop lag p50 ms "
-        "| loop lag p99 ms | cpu s |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "| loop lag p99 ms | cpu s |" + (" peak GPU extra MiB |" if gpu else "") + "\n"
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "") + "\n"
     )
     lines = []
     for scenario in dict.fromkeys(r["scenario"] for r in rows):
@@ -385,6 +407,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f"{fmt([r['ttft_s'] for r in rs], 1e3, 1)} | {fmt([r['peak_anon_delta_bytes'] for r in rs], 2**-20, 0)} | "
                 f"{fmt([r['peak_rss_delta_bytes'] for r in rs], 2**-20, 0)} | {fmt([r['loop_lag_p50_ms'] for r in rs])} | "
                 f"{fmt([r['loop_lag_p99_ms'] for r in rs])} | {fmt([r['cpu_s'] for r in rs])} |"
+                + (f" {fmt([r.get('peak_gpu_delta_bytes') for r in rs], 2**-20, 0)} |" if gpu else "")
             )
     return head + "\n".join(lines) + "\n"
 
@@ -489,7 +512,8 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.tick_params(axis="x", labelsize=7)
             if row == len(kinds) - 1:
                 ax.set_xlabel("GB/s", fontsize=8)
-    fig.suptitle("Load throughput into a preallocated CPU model (median, min-max; each panel its own scale)")
+    where = "GPU" if rows[0].get("device", "cpu") != "cpu" else "CPU"
+    fig.suptitle(f"Load throughput into a preallocated {where} model\n(median, min-max; each panel its own scale)")
     fig.tight_layout()
     made.append(out / "throughput.png")
     fig.savefig(made[-1], dpi=100)
@@ -576,13 +600,18 @@ def main() -> None:
         action="store_true",
         help="no untimed first load before each cold and partial scenario (the first one after a pause ran 3-4x slower)",
     )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model's parameters live: cpu (default) or cuda (peers copy_ onto the GPU; adds load_file_gpu)",
+    )
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--runai-concurrency", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--scenario", default="warm", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    global SWITCH_INTERVAL, GC_COLLECT
-    GC_COLLECT = a.gc_collect
+    global SWITCH_INTERVAL, GC_COLLECT, DEVICE
+    GC_COLLECT, DEVICE = a.gc_collect, a.device
     if a.switch_interval is not None:
         SWITCH_INTERVAL = a.switch_interval
         sys.setswitchinterval(a.switch_interval)
@@ -597,7 +626,8 @@ def main() -> None:
                 r["mem_trace"] = traces[(r["scenario"], r["loader"])]
         print("written: " + ", ".join(map(str, plots(rows, a.out))))
         return
-    loaders = list(LOADERS) if a.loaders == "all" else a.loaders.split(",")
+    every = [ld for ld in LOADERS if DEVICE != "cpu" or ld != "load_file_gpu"]
+    loaders = every if a.loaders == "all" else a.loaders.split(",")
     a.out.mkdir(parents=True, exist_ok=True)
     where = a.ckpt_dir or a.out  # checkpoints written once there, reused by later runs
     ckpts: dict[str, Path] = {f"{s}GiB": make_llama(where / f"ckpt-{s}g", float(s)) for s in a.sizes.split(",") if s}
@@ -652,6 +682,11 @@ def main() -> None:
     (a.out / "traces.json").write_text(json.dumps([r for r in rows if "mem_trace" in r]))
     host = machine()
     host["gc_collect"] = GC_COLLECT  # the harness's settings, with the host they ran on
+    host["device"] = DEVICE
+    if DEVICE != "cpu":
+        import torch
+
+        host["gpu"] = torch.cuda.get_device_name(DEVICE)
     if SWITCH_INTERVAL is not None:
         host["switch_interval"] = SWITCH_INTERVAL
     (a.out / "machine.json").write_text(json.dumps(host, indent=1) + "\n")

@@ -59,7 +59,7 @@ def write_checkpoint(folder: Path, shapes: dict[str, tuple[int, ...]], shards: i
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def empty_model(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> nn.Module:
+def empty_model(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str = "cpu") -> nn.Module:
     """A module tree with a parameter per checkpoint name, preallocated (as an engine would)."""
     root = nn.Module()
     for name, shape in shapes.items():
@@ -69,7 +69,7 @@ def empty_model(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> nn.Mo
             if not hasattr(mod, part):
                 mod.add_module(part, nn.Module())
             mod = getattr(mod, part)
-        mod.register_parameter(leaf, nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False))
+        mod.register_parameter(leaf, nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False))
     return root
 
 

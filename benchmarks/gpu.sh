@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The GPU checks and timings, in one go, as run on a lent H200 (docs/benchmarks.md, "On a GPU"):
+#
+#   bash benchmarks/gpu.sh OUT [SIZES] [REPS]      # SIZES in GiB (default 4), REPS (default 2)
+#
+# 1. tests/test_cuda.py (loads into GPU models: pinned buffers, the load's stream, reuse only after
+#    the copy's event); 2. the same tests with the event taken out, which must fail (the tests can
+#    see a buffer reused too early); 3. the host-to-device copy ceiling; 4. the built-in loader's
+#    budget (the pinned memory it holds); 5. the suite with the model on the GPU, warm and cold. Writes OUT/tests.log, OUT/no-event.log, OUT/SIZE-report.md and
+#    OUT/SIZE-rows.jsonl. Needs python3 with torch (CUDA), safetensors, aiofiles, numpy, and
+#    pytest-asyncio; the peers fastsafetensors and runai-model-streamer where installed.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+out=${1:?OUT}; sizes=${2:-4}; reps=${3:-2}
+mkdir -p "$out"
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+# Checkpoints on a disk, not tmpfs: the cold runs drop them from the page cache.
+ckpt=${CKPT_DIR:-/tmp/aload-gpu}
+[ "$(stat -f -c %T /tmp)" = tmpfs ] && ckpt=${CKPT_DIR:-$here/.ckpt-gpu}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+python3 -c 'import torch, safetensors, sys; print(sys.version.split()[0], "torch", torch.__version__, "safetensors", safetensors.__version__)'
+nproc; free -g | head -2; df -h "$(dirname "$ckpt")" | tail -1
+
+echo "== 1. tests/test_cuda.py"
+python3 -m pytest -q -p no:cacheprovider -W default tests/test_cuda.py 2>&1 | tee "$out/tests.log" | tail -15
+
+echo "== 2. the same, the release event taken out (expected: failures)"
+python3 - <<'PY' 2>&1 | tee "$out/no-event.log" | tail -8
+import pytest
+
+import aload.loader
+
+
+class NoEvent:
+    def pytest_configure(self, config):
+        aload.loader._recorded_event = lambda stream: None  # buffers handed back at once
+
+
+pytest.main(["-q", "-p", "no:cacheprovider", "-W", "default", "tests/test_cuda.py", "-k", "not cancelled"], plugins=[NoEvent()])
+PY
+
+echo "== 3. host to device: one 1 GiB copy from pinned and from pageable memory"
+python3 - <<'PY'
+import time
+
+import torch
+
+n = 1 << 30
+dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+for kind, src in (("pinned", torch.ones(n, dtype=torch.uint8).pin_memory()), ("pageable", torch.ones(n, dtype=torch.uint8))):
+    best = 0.0
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = max(best, n / (time.perf_counter() - t) / 1e9)
+    print(f"{kind}: {best:.1f} GB/s (best of 5)")
+t = time.perf_counter()
+torch.empty(512 << 20, dtype=torch.uint8, pin_memory=True)
+print(f"pinning a fresh 512 MiB: {(time.perf_counter() - t) * 1e3:.0f} ms")
+PY
+
+echo "== 4. the built-in loader's budget, 4 GiB warm, a fresh process each (pinning is paid per process)"
+python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import suite, pathlib; suite.make_llama(pathlib.Path('$ckpt/ckpt-4g'), 4.0)"
+for round in 1 2; do
+  for mib in 32 64 128 512; do
+    python3 - "$ckpt/ckpt-4g" "$mib" <<'PY' 2>&1 | grep -v Warning
+import asyncio, sys, time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, "benchmarks")
+import suite
+
+import aload
+
+folder, mib = Path(sys.argv[1]), int(sys.argv[2])
+model, params = suite.preallocated_model(folder, "cuda")
+suite.warm_cache(folder)
+torch.cuda.synchronize()
+t = time.perf_counter()
+r = asyncio.run(aload.load(model, folder, max_inflight_bytes=mib << 20))
+s = time.perf_counter() - t
+print(f"budget {mib:4d} MiB: {r.bytes / s / 1e9:6.2f} GB/s, staged {r.staged_bytes / r.bytes:.0%}, peak in flight {r.peak_inflight_bytes >> 20} MiB")
+PY
+  done
+done
+
+echo "== 5. the suite, the model on the GPU"
+loaders=aload,aload_lw,safe_open,threadpool,load_file_gpu
+python3 -c 'import fastsafetensors' 2>/dev/null && loaders+=,fastsafetensors
+python3 -c 'import runai_model_streamer' 2>/dev/null && loaders+=,runai
+for s in ${sizes//,/ }; do
+  python3 benchmarks/suite.py --device cuda --sizes "$s" --scenarios warm,cold --reps "$reps" \
+    --loaders "$loaders" --out "/tmp/aload-gpu-out/$s" --ckpt-dir "$ckpt" 2>&1
+  cp "/tmp/aload-gpu-out/$s/report.md" "$out/${s}g-report.md"
+  cp "/tmp/aload-gpu-out/$s/rows.jsonl" "$out/${s}g-rows.jsonl"
+  cp "/tmp/aload-gpu-out/$s/throughput.png" "$out/${s}g-throughput.png"
+done
