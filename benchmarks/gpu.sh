@@ -6,9 +6,11 @@
 # 1. tests/test_cuda.py (loads into GPU models: pinned buffers, the load's stream, reuse only after
 #    the copy's event); 2. the same tests with the event taken out, which must fail (the tests can
 #    see a buffer reused too early); 3. the host-to-device copy ceiling; 4. the built-in loader's
-#    budget (the pinned memory it holds); 5. the suite with the model on the GPU, warm and cold. Writes OUT/tests.log, OUT/no-event.log, OUT/SIZE-report.md and
-#    OUT/SIZE-rows.jsonl. Needs python3 with torch (CUDA), safetensors, aiofiles, numpy, and
-#    pytest-asyncio; the peers fastsafetensors and runai-model-streamer where installed.
+#    budget (the pinned memory it holds); 5. the suite with the model on the GPU, warm and cold.
+# Writes OUT/tests.log, OUT/no-event.log, OUT/copies.log (3 and 4), OUT/SIZEg-report.md and
+# OUT/SIZEg-rows.jsonl (the plots: ``suite.plots`` over the rows, on any machine). Needs python3
+# with torch (CUDA), safetensors, aiofiles, numpy and pytest-asyncio; the peers fastsafetensors and
+# runai-model-streamer where installed.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${1:?OUT}; sizes=${2:-4}; reps=${3:-2}
@@ -40,8 +42,8 @@ class NoEvent:
 pytest.main(["-q", "-p", "no:cacheprovider", "-W", "default", "tests/test_cuda.py", "-k", "not cancelled"], plugins=[NoEvent()])
 PY
 
-echo "== 3. host to device: one 1 GiB copy from pinned and from pageable memory"
-python3 - <<'PY'
+echo "== 3. host to device: one 1 GiB copy from pinned and from pageable memory" | tee "$out/copies.log"
+python3 - <<'PY' 2>&1 | tee -a "$out/copies.log"
 import time
 
 import torch
@@ -62,7 +64,7 @@ torch.empty(512 << 20, dtype=torch.uint8, pin_memory=True)
 print(f"pinning a fresh 512 MiB: {(time.perf_counter() - t) * 1e3:.0f} ms")
 PY
 
-echo "== 4. the built-in loader's budget, 4 GiB warm, a fresh process each (pinning is paid per process)"
+echo "== 4. the built-in loader's budget, 4 GiB warm, a fresh process each (pinning is paid per process)" | tee -a "$out/copies.log"
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import suite, pathlib; suite.make_llama(pathlib.Path('$ckpt/ckpt-4g'), 4.0)"
 for round in 1 2; do
   for mib in 32 64 128 512; do
@@ -87,7 +89,7 @@ s = time.perf_counter() - t
 print(f"budget {mib:4d} MiB: {r.bytes / s / 1e9:6.2f} GB/s, staged {r.staged_bytes / r.bytes:.0%}, peak in flight {r.peak_inflight_bytes >> 20} MiB")
 PY
   done
-done
+done | tee -a "$out/copies.log"
 
 echo "== 5. the suite, the model on the GPU"
 loaders=aload,aload_lw,safe_open,threadpool,load_file_gpu
@@ -98,5 +100,4 @@ for s in ${sizes//,/ }; do
     --loaders "$loaders" --out "/tmp/aload-gpu-out/$s" --ckpt-dir "$ckpt" 2>&1
   cp "/tmp/aload-gpu-out/$s/report.md" "$out/${s}g-report.md"
   cp "/tmp/aload-gpu-out/$s/rows.jsonl" "$out/${s}g-rows.jsonl"
-  cp "/tmp/aload-gpu-out/$s/throughput.png" "$out/${s}g-throughput.png"
 done
