@@ -13,7 +13,6 @@ import torch
 from .arena import UnitView
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint, ReadAhead, _open, run_off_loop
 from .errors import UsageError
-from .format import TensorSpec
 from .integrity import Manifest, ShardHash, digests_for
 from .plan import DestFn, Unit, make_plan
 from .reader import (
@@ -29,14 +28,6 @@ from .reader import (
 from .stages import Pair, Stage, split_for_plan
 
 _PLAN_INLINE_TENSORS = 2000
-
-
-def _on_the_cpu(dest: DestFn) -> DestFn:
-    def cpu_only(name: str, spec: TensorSpec) -> torch.Tensor | None:
-        t = dest(name, spec)
-        return t if t is None or t.is_cpu else None
-
-    return cpu_only
 
 
 class TensorStream:
@@ -85,11 +76,9 @@ class TensorStream:
         self._chunk_bytes, self._budget = chunk_bytes, max_inflight_bytes
         self._options = options or {}
         self._verify = None if verify is False else verify  # type: ignore[comparison-overlap]  # False reads as off
-        # Reading straight into a destination skips tensor stages, so only without them. A GPU
-        # destination needs a stream to copy on, and its bytes pass no digest: else it is not one.
-        if destinations is not None and (device_copy is None or self._verify is not None):
-            destinations = _on_the_cpu(destinations)
+        # Reading straight into a destination skips tensor stages, so only without them.
         self._dest = destinations if not self._stages else None
+        self._on_device = device_copy is not None  # a GPU destination has a stream to copy on
         self.checkpoint: Checkpoint | None = source if isinstance(source, Checkpoint) else None
         self._owns = self.checkpoint is None
         self.reader: Reader | None = None
@@ -126,7 +115,15 @@ class TensorStream:
         # at once, not one by one as the reads reach each shard: a thread round trip per shard, in
         # turn, made a 64-shard load 7-10% slower.
         await all_ready(self.checkpoint.store.source(s.name) for s in self.checkpoint.shards)
-        args = (self.checkpoint, self._names, self._dest, group, hashes is not None, max(1, self._budget // 4))
+        args = (
+            self.checkpoint,
+            self._names,
+            self._dest,
+            group,
+            hashes is not None,
+            max(1, self._budget // 4),
+            self._on_device,
+        )
         # Planning is pure Python, one step per tensor: for a large checkpoint on a thread, where
         # the interpreter switches away every 5 ms, not on the loop (20,000 tensors: ~40 ms).
         plan = await run_off_loop(

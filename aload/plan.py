@@ -114,21 +114,30 @@ def make_plan(
     chunk_bytes: int,
     read_all: bool = False,
     run_bytes: int = 0,
+    on_device: bool = False,
 ) -> Plan:
     """``read_all``: read dropped tensors too (without delivering them), so that every byte of
     every shard passes through in file order, as a digest needs. ``run_bytes``: the most a unit
     of a source's ``mapped_run_bytes`` may hold (a share of the budget; 0: ``chunk_bytes``).
+    ``on_device``: a destination off the CPU (a GPU's) is taken, its unit read through pinned
+    memory; else, and where every byte passes a digest, it is no destination.
 
     The cyclic collector is paused meanwhile (``gc_paused``): each ``Item`` is untracked, but
     still counted as it is made, and 20,000 of them set off ~28 collections of the youngest
     generation, which step the process towards its next full one (in a fresh process, its first:
     112-187 ms holding the GIL, in the middle of the load)."""
     with gc_paused:
-        return _make_plan(ckpt, names, dest, chunk_bytes, read_all, run_bytes)
+        return _make_plan(ckpt, names, dest, chunk_bytes, read_all, run_bytes, on_device and not read_all)
 
 
 def _make_plan(
-    ckpt: Checkpoint, names: NameFn | None, dest: DestFn | None, chunk_bytes: int, read_all: bool, run_bytes: int
+    ckpt: Checkpoint,
+    names: NameFn | None,
+    dest: DestFn | None,
+    chunk_bytes: int,
+    read_all: bool,
+    run_bytes: int,
+    on_device: bool,
 ) -> Plan:
     units: list[Unit] = []
     tensors = nbytes = 0
@@ -175,6 +184,8 @@ def _make_plan(
                 below = DIRECT_MIN_BYTES  # these bytes are on disk: as a shard that scatters small ones only
             if n >= DIRECT_MIN_BYTES or n < below:
                 target = dest(name, spec)
+                if target is not None and not on_device and not target.is_cpu:
+                    target = None  # no stream to copy it on, or a digest to pass: read into a buffer
         else:
             below = s_below
         # A GPU destination (at least DIRECT_MIN_BYTES, ``Loader.destinations``) is a unit of its
