@@ -28,6 +28,7 @@ from aload.format import TensorSpec
 from aload.install import Installed, Loader
 from aload.pipeline import TensorStream
 from aload.plan import Unit
+from examples.demo import empty_model
 
 from .conftest import drop_cache
 
@@ -55,19 +56,13 @@ def tensors(n: int = 40, dtype: torch.dtype = torch.float32, seed: int = 0) -> d
 def gpu_model(ts: dict[str, torch.Tensor], dtype: torch.dtype | None = None, on_cpu: Iterable[str] = ()) -> nn.Module:
     """A module tree with a parameter per name, on the GPU (those in ``on_cpu`` on the CPU), each
     filled with NaN first so that a tensor never written is caught."""
-    root = nn.Module()
+    model = empty_model({n: tuple(t.shape) for n, t in ts.items()}, dtype or next(iter(ts.values())).dtype, "cuda")
     keep_on_cpu = set(on_cpu)
-    for name, t in ts.items():
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, nn.Module())
-            mod = getattr(mod, part)
-        device = "cpu" if name in keep_on_cpu else "cuda"
-        p = torch.full(t.shape, float("nan"), dtype=dtype or t.dtype, device=device)
-        mod.register_parameter(leaf, nn.Parameter(p, requires_grad=False))
-    return root
+    for name, p in model.named_parameters():
+        p.data.fill_(float("nan"))
+        if name in keep_on_cpu:
+            p.data = p.data.cpu()
+    return model
 
 
 def assert_holds(model: nn.Module, ts: dict[str, torch.Tensor]) -> None:
