@@ -420,7 +420,7 @@ class HttpStore(Store):
     async def aclose(self) -> None:
         self._sources.clear()  # each refers back to this store: no cycle left for the collector
         if self._wire is not None:
-            self._wire.close()
+            await self._wire.aclose()
             self._wire = None
         if self._session is not None:
             await self._session.close()

@@ -377,7 +377,7 @@ class S3Store(Store):
         self._presigned.clear()
         self._sources.clear()  # each refers back to this store: no cycle left for the collector
         if self._wire is not None:
-            self._wire.close()
+            await self._wire.aclose()
             self._wire = None
         if self._stack is not None:
             await self._stack.aclose()

@@ -278,6 +278,13 @@ class IOPool:
             self._starting = asyncio.ensure_future(other.run(self._start_all))
         await asyncio.shield(self._starting)
 
+    async def start(self) -> None:
+        """Start every thread of this pool from one helper thread (one ``Thread.start`` on the
+        loop instead of one per thread; see ``start_from``)."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(run_in_thread(self._start_all))
+        await asyncio.shield(self._starting)
+
     def _start_all(self) -> None:
         # Tasks that wait for each other cannot share a thread, so each submit starts one.
         ex, everyone = self.executor(), threading.Barrier(self.threads + 1)
@@ -349,6 +356,10 @@ class IOPool:
             raise
 
     async def aclose(self) -> None:
+        if self._starting is not None and not self._starting.done():  # its threads are this pool's
+            await asyncio.wait([self._starting])
+        if self._starting is not None and self._starting.done() and not self._starting.cancelled():
+            self._starting.exception()  # retrieved: a start that failed is nobody's error now
         running = [asyncio.wrap_future(cf) for cf in list(self._pending) if not cf.done()]
         if running:
             await asyncio.shield(asyncio.wait(running))

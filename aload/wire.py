@@ -1,11 +1,15 @@
 """Ranged GETs over HTTP/1.1 with the body received straight into the caller's buffer.
 
 aiohttp hands a body over as ``bytes`` chunks that the reader then copies into place: two copies
-of every byte and Python work per chunk. Here an ``asyncio.BufferedProtocol`` gives the transport
-the destination itself, so the kernel copies the body into the tensor's memory (or the unit's
-buffer), ``RECV_BYTES`` at a time. A prototype read 2 GiB over loopback from nginx into one
-buffer at 1.80-1.88 GB/s and 0.41-0.49 CPU s/GB, against 0.83-0.94 GB/s and 1.13 for aiohttp;
-aload into a model went from 0.98 to 1.34-1.39 GB/s (``benchmarks/remote.py``).
+of every byte and Python work per chunk. Here an ``asyncio.BufferedProtocol`` reads each response's
+head; then the kernel copies the body into the tensor's memory (or the unit's buffer) itself. On
+a plain connection a body of ``THREAD_BODY_BYTES`` or more is received on one of the client's
+threads by one blocking ``recv_into`` with the GIL let go, the loop's transport paused meanwhile;
+over TLS (decrypted by the loop's transport) and for short bodies the transport is given the
+destination, ``RECV_BYTES`` at a time, on the loop. A prototype of the latter read 2 GiB over
+loopback from nginx into one buffer at 1.80-1.88 GB/s and 0.41-0.49 CPU s/GB, against 0.83-0.94
+GB/s and 1.13 for aiohttp; aload into a model went from 0.98 to 1.34-1.39 GB/s
+(``benchmarks/remote.py``).
 
 Only what aload's ranged reads need: GET, keep-alive connections per origin, TLS, redirects,
 interim answers skipped, a password in the URL as Basic authorization, a deadline on progress.
@@ -18,13 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import os
+import socket
 import ssl
+import struct
 import time
 import urllib.request
 from typing import Any
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
 from .errors import UsageError
+from .sources import IOPool
 
 #: The most a response's status line and headers may take.
 MAX_HEAD_BYTES = 64 * 1024
@@ -33,6 +42,14 @@ MAX_HEAD_BYTES = 64 * 1024
 #: the whole rest of the range per read (up to 8 MiB came at once) 5.3-17 ms, 1.60-2.15 GB/s;
 #: 1 MiB 4.4-5.3 ms, 1.55-2.01; 512 KiB 2.5-5.0 ms, 1.59-2.04; 256 KiB 1.7-2.5 ms, 1.33-1.63.
 RECV_BYTES = 256 * 1024
+#: A body with at least this many bytes still to come on a plain (not TLS) connection is received
+#: on one of the client's threads (``_receive``), the event loop free meanwhile; below it, or over
+#: TLS, on the loop. On the loop every ``RECV_BYTES`` read is a round of the loop's Python, and the
+#: loop's one thread does every copy: 2 GB over loopback from nginx into a model, 4 connections,
+#: one process, 3 loads each: on threads 2.9-3.6 GB/s, loop lateness p99 2.1-4.3 ms; on the loop
+#: 2.5-2.8 GB/s, p99 1.2 ms (2 connections: 3.4-3.5 GB/s and 2.3-2.5 ms against 2.7-3.1 and
+#: 1.3-2.4). Set it above any body's size to keep every body on the loop.
+THREAD_BODY_BYTES = 1 << 20
 _REDIRECTS = {301, 302, 303, 307, 308}
 _MAX_REDIRECTS = 10
 
@@ -94,10 +111,12 @@ def _parse_head(raw: bytes) -> tuple[int, str, Headers]:
 class _Connection(asyncio.BufferedProtocol):
     """One keep-alive connection. The head of a response is read into a scratch buffer; then
     reading pauses until the caller hands over the body's destination, which the transport then
-    fills directly. Anything unusual closes the connection: it is never reused after an error."""
+    fills directly (or a thread of the pool, ``_receive``, for a long body on a plain socket). Anything unusual closes the connection: it is never reused after an error."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, pool: IOPool | None = None) -> None:
         self._timeout = timeout
+        self._pool = pool  # receives long bodies on its threads (``THREAD_BODY_BYTES``)
+        self._sock: socket.socket | None = None  # the connection's own socket, for those threads
         self._transport: asyncio.Transport | None = None
         self._scratch = bytearray(MAX_HEAD_BYTES)
         self._seen = 0  # bytes of the head (and maybe some body) in the scratch buffer
@@ -114,6 +133,13 @@ class _Connection(asyncio.BufferedProtocol):
     # -- the transport's side ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        plain = transport.get_extra_info("sslcontext") is None and transport.get_extra_info("ssl_object") is None
+        raw = transport.get_extra_info("socket")
+        if self._pool is not None and plain and raw is not None:
+            # A duplicate of the descriptor: the transport keeps (and closes) its own.
+            with contextlib.suppress(OSError):
+                self._sock = socket.socket(fileno=os.dup(raw.fileno()))
+                self._sock.setblocking(False)  # as the transport's is (one file description)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -205,9 +231,32 @@ class _Connection(asyncio.BufferedProtocol):
             return
         if self.closed:
             raise WireError("connection closed mid-body")
+        if self._sock is not None and len(view) - early >= THREAD_BODY_BYTES:
+            await self._receive_on_thread(view)
+            return
         self._view = view
         self._resume()
         await self._wait()
+
+    async def _receive_on_thread(self, view: memoryview) -> None:
+        """The rest of the body into ``view`` by ``_receive`` on a thread of the pool, reading
+        paused on the loop meanwhile (the head was read with it paused after). Cancelled, the
+        socket is shut down, which ends the thread's wait, and the thread is waited for; the
+        connection is closed on any failure."""
+        assert self._pool is not None and self._sock is not None
+        await self._pool.start()
+        task = asyncio.ensure_future(self._pool.run(_receive, self, self._sock, view, self._timeout))
+        try:
+            await asyncio.shield(task)
+        except BaseException:
+            if not task.done():
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                await asyncio.wait([task])
+            if not task.cancelled():
+                task.exception()  # retrieved: the error raised is the one above
+            self.close()
+            raise
 
     async def _wait(self) -> None:
         loop = asyncio.get_running_loop()
@@ -254,6 +303,41 @@ class _Connection(asyncio.BufferedProtocol):
         self.closed = True
         if self._transport is not None:
             self._transport.abort()
+        # Closed on the loop only, never while a thread receives (``_receive_on_thread`` waits).
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _receive(conn: _Connection, sock: socket.socket, view: memoryview, timeout: float) -> None:
+    """On a thread: ``view[conn.received:]`` filled from ``sock``, made blocking meanwhile (the
+    loop's transport is paused), by ``recv_into`` with ``MSG_WAITALL``: one call, and one take of
+    the GIL, for the whole body unless it breaks off or stalls. (Polling the non-blocking socket
+    and taking what it held per call measured the same: 2.8-3.6 GB/s, p99 3.1-4.1 ms; a thread
+    blocked in ``poll`` also needed a pipe to be stopped, where a blocked ``recv_into`` ends when
+    the loop shuts the socket down.) ``conn.received`` counts what landed. Raises ``WireError``
+    when the connection ends early, ``asyncio.TimeoutError`` when ``timeout`` seconds pass with
+    no bytes (``SO_RCVTIMEO``: a call that times out with some bytes returns them, and the next
+    waits afresh)."""
+    got, n = conn.received, len(view)
+    sec = int(timeout)
+    usec = max(int((timeout - sec) * 1e6), 0 if sec else 1)  # all zero would mean no timeout
+    sock.setblocking(True)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", sec, usec))
+        while got < n:
+            try:
+                r = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+            except BlockingIOError:
+                raise asyncio.TimeoutError(f"no bytes for {timeout:g} s") from None
+            except OSError as exc:
+                raise WireError(f"connection failed mid-body ({exc})") from exc
+            if r == 0:
+                raise WireError("connection closed mid-body")
+            got += r
+            conn.received = got
+    finally:
+        sock.setblocking(False)  # as the transport had it (one file description)
 
 
 class Response:
@@ -298,6 +382,7 @@ class Client:
     def __init__(self, *, limit: int, timeout: float, ssl_context: ssl.SSLContext | None = None) -> None:
         self._gate = asyncio.Semaphore(limit)
         self._timeout = timeout
+        self._pool = IOPool(limit)  # its threads receive long bodies (``THREAD_BODY_BYTES``)
         self._ssl = ssl_context
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._proxies = Proxies()
@@ -399,7 +484,11 @@ class Client:
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: _Connection(self._timeout), host, port, ssl=tls, server_hostname=host if tls else None
+                    lambda: _Connection(self._timeout, self._pool),
+                    host,
+                    port,
+                    ssl=tls,
+                    server_hostname=host if tls else None,
                 ),
                 self._timeout,
             )
@@ -416,6 +505,11 @@ class Client:
             for conn in conns:
                 conn.close()
         self._idle.clear()
+
+    async def aclose(self) -> None:
+        """``close``, then wait for the threads that received bodies (none is busy by then)."""
+        self.close()
+        await self._pool.aclose()
 
 
 #: Characters left as they are in a request target (besides letters, digits and ``_.-~``).

@@ -1,7 +1,9 @@
-"""Three ways to read one object over HTTP into a buffer, from nginx on loopback, with a 1 ms
-ticker on the event loop: aiohttp (bodies as ``bytes`` chunks, copied into place), an
-``asyncio.BufferedProtocol`` (``aload.wire``: the kernel copies into place, on the loop's thread),
-and blocking sockets on worker threads (``recv_into`` the destination, the loop not involved).
+"""Ways to read one object over HTTP into a buffer, from nginx on loopback, with a 1 ms ticker on
+the event loop: aiohttp (bodies as ``bytes`` chunks, copied into place); ``aload.wire`` as it
+runs (``wire (threads)``: each head read on the loop, each body by one blocking ``recv_into`` on
+the client's threads) and with every body kept on the loop (``wire (loop)``: an
+``asyncio.BufferedProtocol``, the kernel copying into place on the loop's thread); and blocking
+sockets on worker threads (``recv_into`` the destination in 1 MiB steps, the loop not involved).
 
     python benchmarks/http_transports.py [--size-gib 1] [--conns 2,4] [--reps 3]
 
@@ -47,6 +49,16 @@ async def with_aiohttp(url: str, size: int, dest: bytearray, conns: int) -> None
         await asyncio.gather(*(one(s, off, min(CHUNK, size - off)) for off in range(0, size, CHUNK)))
 
 
+async def with_wire_on_loop(url: str, size: int, dest: bytearray, conns: int) -> None:
+    from aload import wire
+
+    kept, wire.THREAD_BODY_BYTES = wire.THREAD_BODY_BYTES, 1 << 62
+    try:
+        await with_wire(url, size, dest, conns)
+    finally:
+        wire.THREAD_BODY_BYTES = kept
+
+
 async def with_wire(url: str, size: int, dest: bytearray, conns: int) -> None:
     from aload import wire
 
@@ -62,7 +74,7 @@ async def with_wire(url: str, size: int, dest: bytearray, conns: int) -> None:
     try:
         await asyncio.gather(*(one(off, min(CHUNK, size - off)) for off in range(0, size, CHUNK)))
     finally:
-        client.close()
+        await client.aclose()
 
 
 def _threads(port: int, path: str, recv: int) -> Callable[[str, int, bytearray, int], Awaitable[None]]:
@@ -153,7 +165,8 @@ def main() -> None:
             for conns in map(int, a.conns.split(",")):
                 transports = {
                     f"aiohttp x{conns}": with_aiohttp,
-                    f"wire (loop) x{conns}": with_wire,
+                    f"wire (loop) x{conns}": with_wire_on_loop,
+                    f"wire (threads) x{conns}": with_wire,
                     f"threads x{conns}": _threads(port, "/blob.bin", 1 << 20),
                 }
                 for name, fn in transports.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import subprocess
 import sys
 import threading
@@ -22,6 +23,28 @@ from .conftest import collect, llama_like
 MiB = 1 << 20
 
 
+@pytest.fixture(params=["loop", "thread"])
+def bodies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where response bodies are received: on the event loop, or on the client's threads (every
+    body with bytes left after its head; by default only those of ``THREAD_BODY_BYTES``)."""
+    from aload import wire
+
+    monkeypatch.setattr(wire, "THREAD_BODY_BYTES", 1 << 62 if request.param == "loop" else 1)
+    return str(request.param)
+
+
+def tls_server(tmp_path: Path) -> tuple[ssl.SSLContext, Path]:
+    """A server-side TLS context for 127.0.0.1 from a fresh test CA, and that CA's PEM file."""
+    import trustme
+
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    return server_ctx, ca_file
+
+
 @pytest.fixture
 def folder(sharded: Callable[..., Path]) -> Path:
     tensors = llama_like(hidden=128)
@@ -29,7 +52,7 @@ def folder(sharded: Callable[..., Path]) -> Path:
     return sharded(tensors, 3)
 
 
-async def test_http_stream_equals_local_and_budget_holds(folder: Path) -> None:
+async def test_http_stream_equals_local_and_budget_holds(folder: Path, bodies: str) -> None:
     local = await collect(aload.stream(folder))
     async with FileServer() as srv:
         srv.add_folder(folder)
@@ -113,7 +136,7 @@ async def test_load_into_a_model_over_http(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("fault", ["503", "cut"])
-async def test_transient_failures_are_retried_and_resumed(folder: Path, fault: str) -> None:
+async def test_transient_failures_are_retried_and_resumed(folder: Path, fault: str, bodies: str) -> None:
     local = await collect(aload.stream(folder))
     async with FileServer() as srv:
         srv.add_folder(folder)
@@ -135,7 +158,7 @@ async def test_transient_failures_are_retried_and_resumed(folder: Path, fault: s
         ("replace", "changed during the load"),
     ],
 )
-async def test_misbehaving_server_never_yields_wrong_bytes(folder: Path, fault: str, message: str) -> None:
+async def test_misbehaving_server_never_yields_wrong_bytes(folder: Path, fault: str, message: str, bodies: str) -> None:
     async with FileServer() as srv:
         srv.add_folder(folder)
         shard = "model-00002-of-00003.safetensors"
@@ -145,7 +168,7 @@ async def test_misbehaving_server_never_yields_wrong_bytes(folder: Path, fault: 
     assert shard in str(info.value)
 
 
-async def test_a_stalled_server_times_out_with_the_range_named(folder: Path) -> None:
+async def test_a_stalled_server_times_out_with_the_range_named(folder: Path, bodies: str) -> None:
     async with FileServer() as srv:
         srv.add_folder(folder)
         shard = "model-00003-of-00003.safetensors"
@@ -171,16 +194,7 @@ async def test_missing_object_and_credentials_never_printed(folder: Path) -> Non
 async def test_https_refuses_an_untrusted_certificate_and_accepts_a_given_ca(
     tmp_path: Path, write: Callable[..., Path]
 ) -> None:
-    import ssl
-
-    import trustme
-
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    cert.configure_cert(server_ctx)
-    ca_file = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
+    server_ctx, ca_file = tls_server(tmp_path)
     path = write({"w": torch.arange(6.0)})
     made: list[bool] = []  # per TLS context from the bundle: made on the loop's thread?
     real = ssl.create_default_context
@@ -311,7 +325,7 @@ def test_preload_imports_aiohttp_only_where_a_proxy_needs_it(proxy: str) -> None
     assert out.stdout.split() == [str(bool(proxy))]
 
 
-async def test_a_cancelled_read_writes_nothing_more_into_its_buffer(folder: Path) -> None:
+async def test_a_cancelled_read_writes_nothing_more_into_its_buffer(folder: Path, bodies: str) -> None:
     """Once a read is cancelled, its connection is closed and the destination gets no more bytes
     (they would land in a buffer the reader has handed to another unit)."""
     from aload import wire
@@ -331,12 +345,12 @@ async def test_a_cancelled_read_writes_nothing_more_into_its_buffer(folder: Path
         before = bytes(dest)
         await asyncio.sleep(1.1)  # two more trickles would have come
         client.release(resp)
-        client.close()
+        await client.aclose()
     assert 0 < resp.received < 4096 and bytes(dest) == before
     assert dest[: resp.received] == (folder / shard).read_bytes()[: resp.received]
 
 
-def test_under_uvloop_no_request_is_asked_twice(folder: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_under_uvloop_no_request_is_asked_twice(folder: Path, caplog: pytest.LogCaptureFixture, bodies: str) -> None:
     """uvloop asks the protocol for a buffer before every read it tries, also while reading is
     paused: the body bytes that come then are kept, and no connection breaks (a broken one was
     retried silently: the load succeeded, with every data read asked twice)."""
@@ -359,20 +373,13 @@ def test_under_uvloop_no_request_is_asked_twice(folder: Path, caplog: pytest.Log
 
 @pytest.mark.parametrize("runner", ["asyncio", "uvloop"])
 def test_https_bodies_straight_into_place_under_either_loop(
-    folder: Path, tmp_path: Path, runner: str, caplog: pytest.LogCaptureFixture
+    folder: Path, tmp_path: Path, runner: str, caplog: pytest.LogCaptureFixture, bodies: str
 ) -> None:
     """Over TLS the decrypted body goes into the destination through the loop's TLS layer, with
     reading paused between a response's head and its body: every byte right, no range asked twice."""
-    import ssl
-
-    import trustme
     import uvloop
 
-    ca = trustme.CA()
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
-    ca_file = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
+    server_ctx, ca_file = tls_server(tmp_path)
     local = asyncio.run(collect(aload.stream(folder)))
 
     async def main() -> tuple[dict[str, torch.Tensor], list[tuple[str, str, str]]]:
@@ -386,6 +393,42 @@ def test_https_bodies_straight_into_place_under_either_loop(
     assert all(torch.equal(remote[k], local[k]) for k in local)
     ranged = [(n, r) for m, n, r in requests if r]
     assert len(ranged) == len(set(ranged)) and not caplog.records
+
+
+@pytest.mark.parametrize("runner", ["asyncio", "uvloop"])
+def test_long_bodies_are_received_on_threads_over_plain_http(
+    folder: Path, tmp_path: Path, runner: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default a body of ``THREAD_BODY_BYTES`` or more on a plain connection is received on one
+    of the client's threads, the rest on the loop; over TLS every body is received on the loop."""
+    import uvloop
+
+    from aload import wire
+
+    threads: list[str] = []
+    receive = wire._receive
+
+    def spy(conn: Any, sock: Any, view: memoryview, timeout: float) -> None:
+        threads.append(threading.current_thread().name)
+        receive(conn, sock, view, timeout)
+
+    monkeypatch.setattr(wire, "_receive", spy)
+    server_ctx, ca_file = tls_server(tmp_path)
+    local = asyncio.run(collect(aload.stream(folder)))
+    big = [k for k, t in local.items() if t.nbytes >= wire.THREAD_BODY_BYTES]
+
+    async def main(tls: bool) -> dict[str, torch.Tensor]:
+        async with FileServer(ssl=server_ctx if tls else None) as srv:
+            srv.add_folder(folder)
+            return await collect(aload.stream(srv.url, chunk_bytes=4 * MiB, ca_bundle=str(ca_file) if tls else None))
+
+    run = uvloop.run if runner == "uvloop" else asyncio.run
+    remote = run(main(tls=False))
+    assert all(torch.equal(remote[k], local[k]) for k in local)
+    assert big and len(threads) >= len(big) and all(name.startswith("aload-io") for name in threads)
+    threads.clear()
+    remote = run(main(tls=True))
+    assert all(torch.equal(remote[k], local[k]) for k in local) and threads == []
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -443,7 +486,7 @@ async def test_request_lines_and_headers_are_well_formed(write: Callable[..., Pa
             await aload.open(srv.url + "/model%20%C3%BCn%C3%AF.safetensors", headers={"X-A": "1\r\nX-B: 2"})
 
 
-async def test_a_cancelled_load_leaves_no_connection_open(folder: Path) -> None:
+async def test_a_cancelled_load_leaves_no_connection_open(folder: Path, bodies: str) -> None:
     """Cancelling a load while a body trickles in closes every connection it opened, at once."""
     import os
 
@@ -485,7 +528,7 @@ async def test_a_cancelled_load_leaves_no_connection_open(folder: Path) -> None:
         ),
     ],
 )
-async def test_a_server_that_is_not_http_gets_a_named_error(answer: bytes, message: str) -> None:
+async def test_a_server_that_is_not_http_gets_a_named_error(answer: bytes, message: str, bodies: str) -> None:
     """Garbage, an endless head, a redirect loop or a body cut short: each attempt fails with the
     cause in the log, and the load fails naming the URL and the range, without hanging."""
     import logging
@@ -557,17 +600,9 @@ async def test_https_through_a_proxy_tunnel(
 ) -> None:
     """``https_proxy``: a CONNECT tunnel per connection (the proxy's credentials on it), TLS to the
     origin inside it, with the given CA."""
-    import ssl
-
-    import trustme
-
     from examples.range_server import ForwardProxy
 
-    ca = trustme.CA()
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
-    ca_file = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
+    server_ctx, ca_file = tls_server(tmp_path)
     tensors = {f"t{i}": torch.randn(256, 1024) for i in range(4)}
     path = write(tensors)
     async with FileServer(ssl=server_ctx) as srv, ForwardProxy(auth="Basic bWU6c2VjcmV0") as proxy:  # me:secret
