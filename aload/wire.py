@@ -46,9 +46,9 @@ RECV_BYTES = 256 * 1024
 #: on one of the client's threads (``_receive``), the event loop free meanwhile; below it, or over
 #: TLS, on the loop. On the loop every ``RECV_BYTES`` read is a round of the loop's Python, and the
 #: loop's one thread does every copy: 2 GB over loopback from nginx into a model, 4 connections,
-#: one process, 3 loads each: on threads 2.9-3.6 GB/s, loop lateness p99 2.1-4.3 ms; on the loop
-#: 2.5-2.8 GB/s, p99 1.2 ms (2 connections: 3.4-3.5 GB/s and 2.3-2.5 ms against 2.7-3.1 and
-#: 1.3-2.4). Set it above any body's size to keep every body on the loop.
+#: one process, 3 loads each alternating: on threads 2.9-3.4 GB/s, loop lateness p99 2.1-3.2 ms;
+#: on the loop 2.5-2.8 GB/s, p99 1.2 ms (2 connections: 3.4-3.5 GB/s and 2.3-2.5 ms against
+#: 2.7-3.1 and 1.3-2.4). Set it above any body's size to keep every body on the loop.
 THREAD_BODY_BYTES = 1 << 20
 _REDIRECTS = {301, 302, 303, 307, 308}
 _MAX_REDIRECTS = 10
@@ -111,7 +111,8 @@ def _parse_head(raw: bytes) -> tuple[int, str, Headers]:
 class _Connection(asyncio.BufferedProtocol):
     """One keep-alive connection. The head of a response is read into a scratch buffer; then
     reading pauses until the caller hands over the body's destination, which the transport then
-    fills directly (or a thread of the pool, ``_receive``, for a long body on a plain socket). Anything unusual closes the connection: it is never reused after an error."""
+    fills directly (or a thread of the pool, ``_receive``, for a long body on a plain socket).
+    Anything unusual closes the connection: it is never reused after an error."""
 
     def __init__(self, timeout: float, pool: IOPool | None = None) -> None:
         self._timeout = timeout

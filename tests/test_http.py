@@ -462,7 +462,7 @@ async def test_interim_answers_are_skipped(split: bool) -> None:
         got = await resp.read()
         client.release(resp)
     finally:
-        client.close()
+        await client.aclose()
         server.close()
         await server.wait_closed()
     assert got == body
