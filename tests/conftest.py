@@ -225,3 +225,13 @@ def proxy_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
+
+
+@pytest.fixture(params=["loop", "thread"])
+def bodies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where response bodies are received: on the event loop, or on the client's threads (every
+    body with bytes left after its head; by default only those of ``THREAD_BODY_BYTES``)."""
+    from aload import wire
+
+    monkeypatch.setattr(wire, "THREAD_BODY_BYTES", 1 << 62 if request.param == "loop" else 1)
+    return str(request.param)

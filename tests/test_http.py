@@ -23,16 +23,6 @@ from .conftest import collect, llama_like
 MiB = 1 << 20
 
 
-@pytest.fixture(params=["loop", "thread"])
-def bodies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Where response bodies are received: on the event loop, or on the client's threads (every
-    body with bytes left after its head; by default only those of ``THREAD_BODY_BYTES``)."""
-    from aload import wire
-
-    monkeypatch.setattr(wire, "THREAD_BODY_BYTES", 1 << 62 if request.param == "loop" else 1)
-    return str(request.param)
-
-
 def tls_server(tmp_path: Path) -> tuple[ssl.SSLContext, Path]:
     """A server-side TLS context for 127.0.0.1 from a fresh test CA, and that CA's PEM file."""
     import trustme

@@ -651,9 +651,12 @@ async def main():
         async with aload.stream(folder) as s:
             async for _ in s:
                 pass
-    elif how == "http":
+    elif how.startswith("http"):
         from examples.range_server import FileServer
+        from aload import wire
 
+        if how == "http-threads":  # every body received on the HTTP client's threads
+            wire.THREAD_BODY_BYTES = 1
         async with FileServer() as srv:
             srv.add_folder(folder)
             await aload.load(plain, srv.url)
@@ -670,7 +673,7 @@ print(sorted({type(o).__qualname__ for o in gc.garbage if type(o).__module__.sta
 """
 
 
-@pytest.mark.parametrize("how", ["builtin", "load_weights", "stream", "http"])
+@pytest.mark.parametrize("how", ["builtin", "load_weights", "stream", "http", "http-threads"])
 def test_a_load_leaves_nothing_for_the_cycle_collector(tmp_path: Path, how: str) -> None:
     """Once a load returns, its objects (a plan of two tracked objects per tensor, the reader, the
     bridge, the store and its sources) are freed at once, not left in a reference cycle for the

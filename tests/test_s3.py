@@ -57,7 +57,9 @@ def upload(client: Any, folder: Path, prefix: str, skip: tuple[str, ...] = ()) -
             client.upload_file(str(p), BUCKET, f"{prefix}/{p.name}")
 
 
-async def test_sharded_checkpoint_streams_identical_to_local(s3: dict[str, Any], sharded: Callable[..., Path]) -> None:
+async def test_sharded_checkpoint_streams_identical_to_local(
+    s3: dict[str, Any], sharded: Callable[..., Path], bodies: str
+) -> None:
     tensors = llama_like(hidden=96)
     folder = sharded(tensors, 3)
     upload(s3["client"], folder, "llama")
@@ -177,7 +179,7 @@ async def test_random_checkpoints_stream_identical_over_s3(s3: dict[str, Any], t
 
 
 async def test_data_reads_go_straight_into_place_on_presigned_urls(
-    s3: dict[str, Any], sharded: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+    s3: dict[str, Any], sharded: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, bodies: str
 ) -> None:
     """Ranged data reads go through ``aload.wire`` on a presigned URL per object, made once and
     reused, with Range and If-Match (the ETag from the header probe) sent as headers."""
