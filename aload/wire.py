@@ -42,7 +42,7 @@ MAX_HEAD_BYTES = 64 * 1024
 #: the whole rest of the range per read (up to 8 MiB came at once) 5.3-17 ms, 1.60-2.15 GB/s;
 #: 1 MiB 4.4-5.3 ms, 1.55-2.01; 512 KiB 2.5-5.0 ms, 1.59-2.04; 256 KiB 1.7-2.5 ms, 1.33-1.63.
 RECV_BYTES = 256 * 1024
-#: A body with at least this many bytes still to come on a plain (not TLS) connection is received
+#: A body of at least this many bytes on a plain (not TLS) connection is received
 #: on one of the client's threads (``_receive``), the event loop free meanwhile; below it, or over
 #: TLS, on the loop. On the loop every ``RECV_BYTES`` read is a round of the loop's Python, and the
 #: loop's one thread does every copy: 2 GB over loopback from nginx into a model, 4 connections,
@@ -232,7 +232,9 @@ class _Connection(asyncio.BufferedProtocol):
             return
         if self.closed:
             raise WireError("connection closed mid-body")
-        if self._sock is not None and len(view) - early >= THREAD_BODY_BYTES:
+        # By the body's length, not by what is left of it: which path a body takes does not
+        # depend on how much of it came with the head.
+        if self._sock is not None and len(view) >= THREAD_BODY_BYTES:
             await self._receive_on_thread(view)
             return
         self._view = view
