@@ -2,6 +2,7 @@
 
     python benchmarks/suite.py [--sizes 1,4,8] [--many] [--small] [--scenarios warm,cold,partial]
                                [--reps 5] [--loaders all] [--out benchmarks/out] [--ckpt-dir DIR]
+                               [--remote GIB]
 
 Generates Llama-shaped bf16 checkpoints (big matrices and small norms, ~2 GiB shards) and, with
 --many, one of 20,000 small tensors; runs every loader on the same checkpoint in a fresh process
@@ -13,7 +14,9 @@ Every loader delivers every tensor into a preallocated, already touched model (a
 run in ``asyncio.to_thread`` inside an asyncio app, as a serving frontend would have to, so the
 event-loop lateness is comparable. Cold = fsync + POSIX_FADV_DONTNEED on every shard before a run;
 partial = warm, then the first 10% of each shard dropped from the page cache (``--scenarios
-warm,cold,partial``), as on a host where other work evicted part of the checkpoint.
+warm,cold,partial``), as on a host where other work evicted part of the checkpoint. ``--remote
+GIB`` also runs ``benchmarks/remote.py`` (HTTP and S3 over loopback, nginx as the origin; it
+needs nginx) on a checkpoint of that size, as many repetitions, and adds its table to the report.
 """
 
 from __future__ import annotations
@@ -605,6 +608,11 @@ def main() -> None:
         default="cpu",
         help="where the model's parameters live: cpu (default) or cuda (peers copy_ onto the GPU; adds load_file_gpu)",
     )
+    ap.add_argument(
+        "--remote",
+        type=float,
+        help="also HTTP and S3 over loopback from nginx (benchmarks/remote.py), a checkpoint of this many GiB",
+    )
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--runai-concurrency", type=int, help=argparse.SUPPRESS)
@@ -679,6 +687,7 @@ def main() -> None:
     (a.out / "rows.jsonl").write_text(
         "".join(json.dumps({k: v for k, v in r.items() if k != "mem_trace"}) + "\n" for r in rows)
     )
+    remote = run_remote(a.remote, a.reps, a.out / "remote") if a.remote else ""
     (a.out / "traces.json").write_text(json.dumps([r for r in rows if "mem_trace" in r]))
     host = machine()
     host["gc_collect"] = GC_COLLECT  # the harness's settings, with the host they ran on
@@ -696,6 +705,7 @@ def main() -> None:
         f"{k}: {statistics.median(v):.2f} GB/s ({min(v):.2f}-{max(v):.2f})" for k, v in dd.items()
     )
     report += "\n\n" + table(rows) + "\n" + ratios(rows, {k: statistics.median(v) for k, v in dd.items()})
+    report += remote
     (a.out / "report.md").write_text(report)
     made = plots(rows, a.out)
     print("\n" + report)
@@ -703,6 +713,27 @@ def main() -> None:
         "written: "
         + ", ".join(str(p) for p in [a.out / "rows.jsonl", a.out / "machine.json", a.out / "report.md", *made])
     )
+
+
+def run_remote(gib: float, reps: int, out: Path) -> str:
+    """``benchmarks/remote.py`` in its own process (it writes its checkpoint and rows under
+    ``out``), its progress echoed; its table and ratios as a section of the report, or why it
+    did not run."""
+    cmd = [sys.executable, str(HERE / "remote.py"), "--size-gib", f"{gib:g}", "--reps", str(reps), "--out", str(out)]
+    head = f"\n## Remote sources over loopback (`{' '.join(['python benchmarks/remote.py', *cmd[2:6]])}`)\n\n"
+    print(f"remote sources: {' '.join(cmd[1:])}", flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        lines.append(line)
+    text = "".join(lines)
+    at = text.find("| loader |")
+    if proc.wait() or at < 0:
+        last = text.strip().splitlines()[-1:] or ["no output"]
+        return head + f"Not run: {last[0]}\n"
+    return head + text[at:].strip() + "\n"
 
 
 if __name__ == "__main__":
