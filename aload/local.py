@@ -226,7 +226,7 @@ class LocalSource(Source):
             await self._pool.run_all(self._copy_step, steps)
         else:
             assert self._direct_pool is not None and self._dio is not None  # _direct: opened with O_DIRECT
-            await self._direct_pool.start_from(self._pool)
+            await self._direct_pool.start(self._pool)
             step = DIRECT_PIECE_BYTES
             pieces = [(offset + o, buf[o : o + step]) for o in range(0, n, step)]
             await self._direct_pool.run_all(self._dio.read_bounced, pieces)
@@ -253,7 +253,7 @@ class LocalSource(Source):
 
     async def read_frame(self, offset: int, frame: memoryview, need: int) -> None:
         assert self._direct_pool is not None and self._dio is not None  # frame_align: opened with O_DIRECT
-        await self._direct_pool.start_from(self._pool)
+        await self._direct_pool.start(self._pool)
         step = DIRECT_PIECE_BYTES
         pieces = [(offset + o, frame[o : o + step], min(step, need - o)) for o in range(0, need, step)]
         await self._direct_pool.run_all(self._dio.read_aligned, pieces)

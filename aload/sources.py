@@ -270,19 +270,14 @@ class IOPool:
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._starting: asyncio.Future[None] | None = None
 
-    async def start_from(self, other: IOPool) -> None:
-        """Start every thread of this pool from one of ``other``'s, not from the event loop:
-        ``Thread.start`` waits until the new thread has run, and with the cores busy each start
-        held the loop for milliseconds (16 of them at a cold file's first read)."""
+    async def start(self, other: IOPool | None = None) -> None:
+        """Start every thread of this pool from one of ``other``'s (or from one helper thread),
+        not from the event loop: ``Thread.start`` waits until the new thread has run, and with
+        the cores busy each start held the loop for milliseconds (16 of them at a cold file's
+        first read)."""
         if self._starting is None:
-            self._starting = asyncio.ensure_future(other.run(self._start_all))
-        await asyncio.shield(self._starting)
-
-    async def start(self) -> None:
-        """Start every thread of this pool from one helper thread (one ``Thread.start`` on the
-        loop instead of one per thread; see ``start_from``)."""
-        if self._starting is None:
-            self._starting = asyncio.ensure_future(run_in_thread(self._start_all))
+            starter = other.run(self._start_all) if other is not None else run_in_thread(self._start_all)
+            self._starting = asyncio.ensure_future(starter)
         await asyncio.shield(self._starting)
 
     def _start_all(self) -> None:
@@ -356,10 +351,10 @@ class IOPool:
             raise
 
     async def aclose(self) -> None:
-        if self._starting is not None and not self._starting.done():  # its threads are this pool's
+        if self._starting is not None:  # its threads are this pool's
             await asyncio.wait([self._starting])
-        if self._starting is not None and self._starting.done() and not self._starting.cancelled():
-            self._starting.exception()  # retrieved: a start that failed is nobody's error now
+            if not self._starting.cancelled():
+                self._starting.exception()  # retrieved: a start that failed is nobody's error now
         running = [asyncio.wrap_future(cf) for cf in list(self._pending) if not cf.done()]
         if running:
             await asyncio.shield(asyncio.wait(running))

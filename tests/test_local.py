@@ -1116,7 +1116,7 @@ async def test_a_pool_starts_all_its_threads_from_another_pool() -> None:
     waiting there rather than on the event loop; then every read finds a thread ready."""
     helper, pool = IOPool(1), IOPool(6)
     try:
-        await asyncio.gather(pool.start_from(helper), pool.start_from(helper))  # once, however asked
+        await asyncio.gather(pool.start(helper), pool.start(helper))  # once, however asked
         threads = list(pool.executor()._threads)  # type: ignore[attr-defined]
         assert len(threads) == 6 and all(t.is_alive() for t in threads)
         assert threading.current_thread() not in threads
