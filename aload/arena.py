@@ -190,7 +190,10 @@ def run_at(unit: Unit, view: UnitView | None, i: int) -> tuple[collections.deque
     n = len(items)
     if unit.dest is not None or unit.scatter or view is None:
         j = min(i + CUT_RUN, n)
-        return collections.deque((item.name, _uncut(unit, item)) for item in items[i:j] if not item.skip), j
+        cut = collections.deque((item.name, _uncut(unit, item)) for item in items[i:j] if not item.skip)
+        if unit.handed_off:
+            unit.dest = None
+        return cut, j
     dtype, j = items[i].spec.dtype, i + 1
     while j < n and j - i < CUT_RUN and items[j].spec.dtype == dtype:
         j += 1

@@ -22,9 +22,11 @@ from ._threads import free_in_pieces, run_in_thread, start_thread
 from .bridge import LoadCancelled, SyncBridge
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint
 from .errors import AloadError, LoadError, UsageError, add_note
+from .format import TensorSpec
 from .install import Hook, Installed, Loader
 from .integrity import Manifest
 from .pipeline import TensorStream
+from .plan import DIRECT_MIN_BYTES
 from .reader import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, Progress, first_tensor
 from .stages import Stage
 
@@ -95,6 +97,7 @@ async def load(
     progress: Callable[[Progress], None] | None = None,
     verify: Manifest | None = None,
     in_order: bool = False,
+    weights_on_device: bool = False,
     **options: Any,
 ) -> LoadReport:
     """Stream ``source`` into ``model`` and post-process it; returns a ``LoadReport``.
@@ -113,6 +116,15 @@ async def load(
     ``max_inflight_bytes`` (default 512 MiB; for the built-in loader into GPU parameters, 64 MiB
     of pinned memory, which costs ~0.5 ms a MiB to pin in each new process) bounds the host
     memory holding bytes on their way.
+
+    ``weights_on_device`` (default False), for a model with its own ``load_weights`` on a GPU:
+    hand it each tensor of 1 MiB or more already on that GPU, in a fresh tensor read a piece at a
+    time through pinned memory and copied on the load's stream, as the built-in loader's are (the
+    default budget is then 64 MiB); its ``copy_`` into the parameter is then one on the GPU.
+    Smaller tensors come in pinned host memory as before. Each such tensor takes GPU memory
+    until the model drops it: the tensors read ahead of the model (up to ``2 * concurrency``
+    units) besides the parameters. Without effect with tensor stages (they get host tensors),
+    on a CPU, or with the built-in loader.
     """
     t0 = time.perf_counter()
     loader = loader or Loader(strict=strict, after_load=after_load, after_postprocess=after_postprocess)
@@ -125,6 +137,9 @@ async def load(
         dests = None
     else:
         dests = await run_in_thread(loader.destinations, model, dev)
+    temps = weights_on_device and cuda is not None and dests is None
+    if temps:
+        dests = _on_device
     if max_inflight_bytes is None:
         # Into GPU parameters the built-in loader copies each large tensor on in pieces through a
         # few pinned buffers: pinning the whole default budget took ~245 ms on an H200 host.
@@ -143,6 +158,7 @@ async def load(
         pin=cuda is not None,
         release_event=(lambda: _recorded_event(cuda)) if cuda is not None else None,
         device_copy=_copier(cuda) if cuda is not None else None,
+        device_empty=_maker(cuda) if temps else None,
         t0=t0,
         in_order=in_order,
     )
@@ -156,7 +172,7 @@ async def load(
     except BaseException as exc:
         if isinstance(exc, AloadError):
             exc.locate(ts.checkpoint.url if ts.checkpoint is not None else os.fspath(source))  # type: ignore[arg-type]
-        _record_progress(exc, bridge, direct=dests is not None)
+        _record_progress(exc, bridge, direct=dests is not None and not temps)
         raise
     finally:
         loader._walked = loader._unquantized = None  # a Loader kept for later loads holds no reference to this model
@@ -212,6 +228,27 @@ def _copier(stream: Any) -> Callable[[torch.Tensor, torch.Tensor], Any]:
         return _recorded_event(stream)
 
     return copy
+
+
+def _on_device(name: str, spec: TensorSpec) -> torch.Tensor | None:
+    """``weights_on_device``'s destinations: a stand-in (no memory) for each tensor of
+    ``DIRECT_MIN_BYTES`` or more, made on the GPU when its reads start (``_maker``)."""
+    if spec.nbytes < DIRECT_MIN_BYTES:
+        return None
+    return torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta")
+
+
+def _maker(stream: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``empty(like)``: a new tensor like the stand-in ``like`` on the load stream's GPU, from
+    the caching allocator on that stream, which its copies and the model's ``copy_`` (on the
+    load's worker thread, inside ``torch.cuda.stream``) use: its memory goes to a later tensor
+    only after the work queued on the stream before it is freed."""
+
+    def empty(like: torch.Tensor) -> torch.Tensor:
+        with torch.cuda.stream(stream):
+            return torch.empty(like.shape, dtype=like.dtype, device=stream.device)
+
+    return empty
 
 
 def _work(loader: Loader, model: nn.Module, bridge: SyncBridge, dev: torch.device, cuda: Any) -> Installed:

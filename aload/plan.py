@@ -83,6 +83,9 @@ class Unit:
     #: A ``scatter`` unit that the reader fills, on a read thread (``Source.scatter_read``), before
     #: handing it on; otherwise the reader only brings its bytes in and its consumer fills it.
     filled: bool = False
+    #: ``dest`` is this load's own and the consumer's once handed out: ``run_at`` lets go of it,
+    #: so that the consumer's dropping it frees it (``load(weights_on_device=True)``).
+    handed_off: bool = False
 
     @property
     def on_device(self) -> bool:

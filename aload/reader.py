@@ -120,6 +120,7 @@ class Reader:
         pin: bool = False,
         release_event: Callable[[], Any] | None = None,
         device_copy: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        device_empty: Callable[[torch.Tensor], torch.Tensor] | None = None,
         progress: Callable[[Progress], None] | None = None,
         t0: float | None = None,
         hashes: dict[str, ShardHash] | None = None,
@@ -161,6 +162,8 @@ class Reader:
         # For units bound for a GPU: enqueues copy(dst, src) on the load's stream, returns an
         # event that completes with it (``_read_staged``).
         self._device_copy = device_copy
+        # Makes a unit's GPU tensor where its destination is a stand-in on "meta" (``_read_staged``).
+        self._device_empty = device_empty
         self._progress = progress
         self._loop = asyncio.get_running_loop()
         self._t0 = time.perf_counter() if t0 is None else t0
@@ -391,6 +394,10 @@ class Reader:
         on the load's stream, and its slot read into again once that copy has completed. The
         unit is handed on once its copies have completed."""
         assert unit.dest is not None and self._device_copy is not None and stage.tensor is not None
+        if unit.dest.is_meta:  # a tensor handed on on the GPU (``load(weights_on_device=True)``): made now
+            if self._device_empty is None:
+                raise UsageError(f"{unit.items[0].name!r}: a destination on 'meta' needs device_empty to make it")
+            unit.dest, unit.handed_off = self._device_empty(unit.dest), True
         # The parameter's bytes: a tensor ``destinations`` found contiguous, of the checkpoint's dtype and size.
         dest = unit.dest.detach().view(-1).view(torch.uint8)
         memory, piece, n = stage.tensor, self._stage, unit.nbytes

@@ -5,8 +5,12 @@
 #
 # 1. tests/test_cuda.py (loads into GPU models: pinned buffers, the load's stream, reuse only after
 #    the copy's event); 2. the same tests with the event taken out, which must fail (the tests can
-#    see a buffer reused too early); 3. the host-to-device copy ceiling; 4. the built-in loader's
-#    budget (the pinned memory it holds); 5. the suite with the model on the GPU, warm and cold.
+#    see a buffer reused too early); 3. the host-to-device copy ceiling, and pinned memory made
+#    each way (benchmarks/pinning.py); 4. the budget (the pinned memory a load holds) of the
+#    built-in loader, of a load_weights model, and of one with weights_on_device; 5. the suite
+#    with the model on the GPU, warm and cold.
+# STEPS (default 12345) picks steps: STEPS=145 bash benchmarks/gpu.sh OUT 1 2. Step 4 takes RUNS
+# ("GIB LOADER MIB,...", LOADER builtin, lw or lwdev), ROUNDS and PINNING=register (see there).
 # Writes OUT/tests.log, OUT/no-event.log, OUT/copies.log (3 and 4), OUT/SIZEg-report.md and
 # OUT/SIZEg-rows.jsonl (the plots: ``suite.plots`` over the rows, on any machine). Needs python3
 # with torch (CUDA), safetensors, aiofiles, numpy and pytest-asyncio; the peers fastsafetensors and
@@ -70,20 +74,27 @@ t = time.perf_counter()
 torch.empty(512 << 20, dtype=torch.uint8, pin_memory=True)
 print(f"pinning a fresh 512 MiB: {(time.perf_counter() - t) * 1e3:.0f} ms")
 PY
+echo "   pinned memory made each way (benchmarks/pinning.py)" | tee -a "$out/copies.log"
+python3 benchmarks/pinning.py 64 256 512 2>&1 | grep -v Warning | tee -a "$out/copies.log"
 
 fi
 
 if want 4; then
 echo "== 4. the budget (the pinned memory a load holds), warm, a fresh process each (pinning is paid per process):" | tee -a "$out/copies.log"
-echo "   the built-in loader at 4 GiB, and a load_weights model at 1 GiB (0.47x the peers at the default 512 MiB)" | tee -a "$out/copies.log"
-for gib in 4 1; do
+echo "   GIB LOADER MIB: the built-in loader, a load_weights model (lw), the same with weights_on_device (lwdev)" | tee -a "$out/copies.log"
+# RUNS: the runs, comma-separated; ROUNDS: how many times each (default 2). PINNING=register:
+# torch's pinned memory by cudaHostRegister on 8 threads (PYTORCH_CUDA_ALLOC_CONF, set before CUDA starts).
+runs=${RUNS:-4 builtin 32,4 builtin 64,4 builtin 128,4 builtin 512,1 lw 64,1 lw 128,1 lw 256,1 lw 512,1 lwdev 64,1 lwdev 128,1 lwdev 256}
+[ "${PINNING:-}" = register ] && export PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8
+for gib in $(tr ',' '\n' <<<"$runs" | cut -d' ' -f1 | sort -u); do
   python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import suite, pathlib; suite.make_llama(pathlib.Path('$ckpt/ckpt-${gib}g'), $gib.0)"
 done
-for round in 1 2; do
-  for run in "4 builtin 32" "4 builtin 64" "4 builtin 128" "4 builtin 512" "1 lw 64" "1 lw 128" "1 lw 256" "1 lw 512"; do
+for round in $(seq "${ROUNDS:-2}"); do
+  IFS=, read -ra each <<<"$runs"
+  for run in "${each[@]}"; do
     set -- $run
     python3 - "$ckpt/ckpt-${1}g" "$2" "$3" <<'PY' 2>&1 | grep -v Warning
-import asyncio, sys, time
+import asyncio, os, sys, time
 from pathlib import Path
 
 import torch
@@ -108,24 +119,26 @@ suite.warm_cache(folder)
 torch.cuda.synchronize()
 t = time.perf_counter()
 target = model if how == "builtin" else Engine()
-r = asyncio.run(aload.load(target, folder, max_inflight_bytes=mib << 20, device="cuda"))
+r = asyncio.run(aload.load(target, folder, max_inflight_bytes=mib << 20, device="cuda", weights_on_device=how == "lwdev"))
 torch.cuda.synchronize()
 s = time.perf_counter() - t
-print(f"{folder.name} {how:7s} budget {mib:4d} MiB: {r.bytes / s / 1e9:6.2f} GB/s, first tensor {r.ttft_s * 1e3:6.1f} ms, "
+print(f"{folder.name} {how:7s} {'register' if 'register' in os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '') else 'alloc':8s} budget {mib:4d} MiB: {r.bytes / s / 1e9:6.2f} GB/s, first tensor {r.ttft_s * 1e3:6.1f} ms, "
       f"staged {r.staged_bytes / r.bytes:.0%}, peak in flight {r.peak_inflight_bytes >> 20} MiB")
 PY
   done
 done | tee -a "$out/copies.log"
+unset PYTORCH_CUDA_ALLOC_CONF
 
 fi
 
 if want 5; then
 echo "== 5. the suite, the model on the GPU"
-loaders=aload,aload_lw,safe_open,threadpool,load_file_gpu
+loaders=aload,aload_lw,aload_lw_dev,safe_open,threadpool,load_file_gpu
 python3 -c 'import fastsafetensors' 2>/dev/null && loaders+=,fastsafetensors
 python3 -c 'import runai_model_streamer' 2>/dev/null && loaders+=,runai
+loaders=${LOADERS:-$loaders}  # LOADERS, SCENARIOS: a shorter run
 for s in ${sizes//,/ }; do
-  python3 benchmarks/suite.py --device cuda --sizes "$s" --scenarios warm,cold --reps "$reps" \
+  python3 benchmarks/suite.py --device cuda --sizes "$s" --scenarios "${SCENARIOS:-warm,cold}" --reps "$reps" \
     --loaders "$loaders" --out "/tmp/aload-gpu-out/$s" --ckpt-dir "$ckpt" 2>&1
   cp "/tmp/aload-gpu-out/$s/report.md" "$out/${s}g-report.md"
   cp "/tmp/aload-gpu-out/$s/rows.jsonl" "$out/${s}g-rows.jsonl"

@@ -41,6 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 LOADERS = {
     "aload": "aload.load, built-in loader (reads straight into the parameters)",
     "aload_lw": "aload.load into a vLLM-style model.load_weights that copy_()s each tensor",
+    "aload_lw_dev": "the same with weights_on_device=True: tensors of 1 MiB or more handed on the GPU (--device cuda only)",
     "load_file": "safetensors.torch.load_file per shard",
     "safe_open": "safe_open + get_tensor loop (vLLM's default iterator)",
     "threadpool": "load_file over shards in a pool of 4 threads, all shards submitted (vLLM's multi-thread iterator)",
@@ -315,10 +316,11 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
         async with Probe() as probe:
             t0 = time.perf_counter()
             warm_copy = None
-            if loader in ("aload", "aload_lw"):
+            if loader in ("aload", "aload_lw", "aload_lw_dev"):
                 # The engine's parameters live in its own tree (not walked here): where they are is said.
                 where = DEVICE if cuda else None
-                report = await aload.load(model if loader == "aload" else Engine(), folder, device=where)
+                target = model if loader == "aload" else Engine()
+                report = await aload.load(target, folder, device=where, weights_on_device=loader == "aload_lw_dev")
                 ttft, warm_copy = report.ttft_s, report.warm_copy
             else:
                 await asyncio.to_thread(blocking)
@@ -432,18 +434,19 @@ def ratios(rows: list[dict[str, Any]], dd: dict[str, float], budget: int = 512 <
         if scenario in dd:
             line += f", {med['aload'] / dd[scenario]:.2f}x dd ({dd[scenario]:.2f})"
             line += _paired(rows, scenario, "aload", over_dd=True)
-        if "aload_lw" in med:
-            line += f"; through load_weights {med['aload_lw']:.2f} = {med['aload_lw'] / peers[best]:.2f}x"
-            line += _paired(rows, scenario, "aload_lw")
+        for ld, words in (("aload_lw", "through load_weights"), ("aload_lw_dev", "weights on the GPU")):
+            if ld in med:
+                line += f"; {words} {med[ld]:.2f} = {med[ld] / peers[best]:.2f}x"
+                line += _paired(rows, scenario, ld)
         # Each path's own peak: one figure for both read as the built-in loader's (stop 36 did).
         anon = {
             ld: max(r["peak_anon_delta_bytes"] for r in rows if r["scenario"] == scenario and r["loader"] == ld) >> 20
-            for ld in ("aload", "aload_lw")
+            for ld in ("aload", "aload_lw", "aload_lw_dev")
             if ld in med
         }
         line += "; peak anon " + ", ".join(f"{ld} {mib} MiB" for ld, mib in anon.items())
         line += f" (target <= {1.25 * budget / 2**20 + 64:.0f})"
-        for ld in ("aload", "aload_lw"):
+        for ld in ("aload", "aload_lw", "aload_lw_dev"):
             mine = [r for r in rows if r["scenario"] == scenario and r["loader"] == ld]
             if mine:
                 p99 = statistics.median(r["loop_lag_p99_ms"] for r in mine)
@@ -634,7 +637,7 @@ def main() -> None:
                 r["mem_trace"] = traces[(r["scenario"], r["loader"])]
         print("written: " + ", ".join(map(str, plots(rows, a.out))))
         return
-    every = [ld for ld in LOADERS if DEVICE != "cpu" or ld != "load_file_gpu"]
+    every = [ld for ld in LOADERS if DEVICE != "cpu" or ld not in ("load_file_gpu", "aload_lw_dev")]
     loaders = every if a.loaders == "all" else a.loaders.split(",")
     a.out.mkdir(parents=True, exist_ok=True)
     where = a.ckpt_dir or a.out  # checkpoints written once there, reused by later runs

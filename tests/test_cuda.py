@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -260,6 +262,76 @@ async def test_pieces_bound_for_a_gpu_are_read_into_again_only_after_their_copie
     assert not wrong, f"pieces read into again before their copies ran: {wrong}"
     assert all(torch.equal(got[n], ts[n]) for n in ts if n not in big)
     assert stream.stats.peak_inflight_bytes <= SMALL_BUDGET
+
+
+async def test_stand_in_destinations_become_tensors_of_the_consumers_own(write: Callable[..., Path]) -> None:
+    """``load(weights_on_device=True)``'s path on the CPU: each large tensor's destination is a
+    stand-in on "meta", made real when its reads start (``device_empty``), read in pieces with
+    copies that run late, and no longer held by the stream once handed out: the consumer's
+    dropping it frees it."""
+    ts = tensors(n=16, seed=8)
+    path = write(ts)
+    copies = LateCopies()
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def empty(like: torch.Tensor) -> torch.Tensor:
+        assert like.is_meta
+        t = torch.full(like.shape, float("nan"), dtype=like.dtype)
+        made.append(weakref.ref(t))
+        return t
+
+    def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
+        return torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta") if spec.nbytes >= 1 << 20 else None
+
+    big = [n for n in ts if ts[n].nbytes >= 1 << 20]
+    stream = TensorStream(
+        path,
+        destinations=dest,
+        device_copy=copies,
+        device_empty=empty,
+        max_inflight_bytes=SMALL_BUDGET,
+        chunk_bytes=1 << 20,
+    )
+    alive_after_drop = 0
+    async with stream:
+        async for name, t in stream:
+            assert torch.equal(t, ts[name]), name
+            if name in big:
+                (ref,) = [r for r in made if r() is t]  # the tensor made for it, not a view of a buffer
+                del t
+                gc.collect()
+                alive_after_drop += ref() is not None
+    copies.pool.shutdown(wait=True)
+    assert len(made) == len(big) and stream.stats.staged_bytes == sum(ts[n].nbytes for n in big)
+    assert alive_after_drop == 0, "the stream still held tensors handed out"
+    assert stream.stats.peak_inflight_bytes <= SMALL_BUDGET
+
+
+@gpu
+async def test_weights_on_device_hands_load_weights_its_large_tensors_on_the_gpu(write: Callable[..., Path]) -> None:
+    ts = tensors(seed=9)
+    path = write(ts)
+    seen: dict[str, torch.device] = {}
+
+    class OnDevice(Engine):
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            def noted() -> Iterator[tuple[str, torch.Tensor]]:
+                for name, t in weights:
+                    seen[name] = t.device
+                    yield name, t
+
+            return super().load_weights(noted())
+
+    engine = OnDevice(ts)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    report = await aload.load(engine, path, weights_on_device=True, max_inflight_bytes=SMALL_BUDGET)
+    assert report.staged_bytes == staged_part(ts)
+    assert {n for n, d in seen.items() if d.type == "cuda"} == {n for n, t in ts.items() if t.nbytes >= 1 << 20}
+    assert_holds(engine.inner, ts)
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before  # every tensor made for the load was freed
 
 
 async def test_a_destination_off_the_cpu_without_a_stream_to_copy_on_is_not_read_into(
