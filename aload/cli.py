@@ -86,6 +86,7 @@ async def _load(args: argparse.Namespace) -> int:
     if args.read:
         opts["read"] = args.read
     if args.model:
+        opts["weights_on_device"] = args.weights_on_device
         report = await load(_factory(args.model), args.path, strict=not args.non_strict, **opts)
         row: dict[str, Any] = asdict(report)
     else:  # no model: stream every tensor and drop it, measuring the pipeline alone
@@ -276,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     p_load.add_argument("--model", help="module:callable returning the nn.Module to load into")
     p_load.add_argument("--non-strict", action="store_true", help="report missing/unexpected names instead of failing")
     p_load.add_argument("--json", action="store_true", help="print the report as JSON")
+    p_load.add_argument(
+        "--weights-on-device",
+        action="store_true",
+        help="a --model with load_weights on a GPU gets its tensors of 1 MiB or more on the GPU",
+    )
     p_bench = sub.add_parser(
         "bench", help="measure streaming your checkpoint: throughput, first tensor, memory, loop lateness"
     )

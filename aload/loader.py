@@ -123,8 +123,9 @@ async def load(
     default budget is then 64 MiB); its ``copy_`` into the parameter is then one on the GPU.
     Smaller tensors come in pinned host memory as before. Each such tensor takes GPU memory
     until the model drops it: the tensors read ahead of the model (up to ``2 * concurrency``
-    units) besides the parameters. Without effect with tensor stages (they get host tensors),
-    on a CPU, or with the built-in loader.
+    units) besides the parameters; where it runs out, a ``LoadError`` names the tensor. Without
+    effect with tensor stages (they get host tensors), ``verify``, on a CPU, or with the
+    built-in loader.
     """
     t0 = time.perf_counter()
     loader = loader or Loader(strict=strict, after_load=after_load, after_postprocess=after_postprocess)

@@ -31,7 +31,7 @@ import torch
 from ._threads import PAUSE_AFTER_S, hand_back
 from .arena import ARENA, MAPPED, OUTSIDE, Arena, Lease, UnitView, byte_view, host_array, prefault, run_at
 from .direct import ALIGN
-from .errors import UsageError
+from .errors import LoadError, UsageError
 from .integrity import Digests, ShardHash
 from .plan import Plan, Unit
 from .sources import IOPool, Source
@@ -395,9 +395,18 @@ class Reader:
         unit is handed on once its copies have completed."""
         assert unit.dest is not None and self._device_copy is not None and stage.tensor is not None
         if unit.dest.is_meta:  # a tensor handed on on the GPU (``load(weights_on_device=True)``): made now
+            name = unit.items[0].name
             if self._device_empty is None:
-                raise UsageError(f"{unit.items[0].name!r}: a destination on 'meta' needs device_empty to make it")
-            unit.dest, unit.handed_off = self._device_empty(unit.dest), True
+                raise UsageError("a destination on 'meta' needs device_empty to make it", tensor=name)
+            try:
+                unit.dest, unit.handed_off = self._device_empty(unit.dest), True
+            except torch.OutOfMemoryError as exc:
+                raise LoadError(
+                    f"out of GPU memory for a tensor of {unit.nbytes} bytes to hand on on the GPU "
+                    "(weights_on_device: a lower concurrency holds fewer of them at once)",
+                    tensor=name,
+                    byte_range=(unit.start, unit.start + unit.nbytes),
+                ) from exc
         # The parameter's bytes: a tensor ``destinations`` found contiguous, of the checkpoint's dtype and size.
         dest = unit.dest.detach().view(-1).view(torch.uint8)
         memory, piece, n = stage.tensor, self._stage, unit.nbytes

@@ -10,7 +10,7 @@
 #    built-in loader, of a load_weights model, and of one with weights_on_device; 5. the suite
 #    with the model on the GPU, warm and cold.
 # STEPS (default 12345) picks steps: STEPS=145 bash benchmarks/gpu.sh OUT 1 2. Step 4 takes RUNS
-# ("GIB LOADER MIB,...", LOADER builtin, lw or lwdev), ROUNDS and PINNING=register (see there).
+# ("GIB LOADER MIB,...", LOADER builtin, lw or lwdev), ROUNDS and PINNING=register or runtime (see there).
 # Writes OUT/tests.log, OUT/no-event.log, OUT/copies.log (3 and 4), OUT/SIZEg-report.md and
 # OUT/SIZEg-rows.jsonl (the plots: ``suite.plots`` over the rows, on any machine). Needs python3
 # with torch (CUDA), safetensors, aiofiles, numpy and pytest-asyncio; the peers fastsafetensors and
@@ -83,7 +83,9 @@ if want 4; then
 echo "== 4. the budget (the pinned memory a load holds), warm, a fresh process each (pinning is paid per process):" | tee -a "$out/copies.log"
 echo "   GIB LOADER MIB: the built-in loader, a load_weights model (lw), the same with weights_on_device (lwdev)" | tee -a "$out/copies.log"
 # RUNS: the runs, comma-separated; ROUNDS: how many times each (default 2). PINNING=register:
-# torch's pinned memory by cudaHostRegister on 8 threads (PYTORCH_CUDA_ALLOC_CONF, set before CUDA starts).
+# torch's pinned memory by cudaHostRegister on 8 threads (PYTORCH_CUDA_ALLOC_CONF, set before CUDA
+# starts); PINNING=runtime: the same switched on in the process, before the load
+# (torch.cuda.memory._set_allocator_settings).
 runs=${RUNS:-4 builtin 32,4 builtin 64,4 builtin 128,4 builtin 512,1 lw 64,1 lw 128,1 lw 256,1 lw 512,1 lwdev 64,1 lwdev 128,1 lwdev 256}
 [ "${PINNING:-}" = register ] && export PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8
 for gib in $(tr ',' '\n' <<<"$runs" | cut -d' ' -f1 | sort -u); do
@@ -115,6 +117,8 @@ class Engine(torch.nn.Module):  # as the suite's: copy_() each tensor into the G
         return set()
 
 
+if os.environ.get("PINNING") == "runtime":
+    torch.cuda.memory._set_allocator_settings("pinned_use_cuda_host_register:True,pinned_num_register_threads:8")
 suite.warm_cache(folder)
 torch.cuda.synchronize()
 t = time.perf_counter()
@@ -122,7 +126,7 @@ target = model if how == "builtin" else Engine()
 r = asyncio.run(aload.load(target, folder, max_inflight_bytes=mib << 20, device="cuda", weights_on_device=how == "lwdev"))
 torch.cuda.synchronize()
 s = time.perf_counter() - t
-print(f"{folder.name} {how:7s} {'register' if 'register' in os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '') else 'alloc':8s} budget {mib:4d} MiB: {r.bytes / s / 1e9:6.2f} GB/s, first tensor {r.ttft_s * 1e3:6.1f} ms, "
+print(f"{folder.name} {how:7s} {os.environ.get('PINNING') or 'alloc':8s} budget {mib:4d} MiB: {r.bytes / s / 1e9:6.2f} GB/s, first tensor {r.ttft_s * 1e3:6.1f} ms, "
       f"staged {r.staged_bytes / r.bytes:.0%}, peak in flight {r.peak_inflight_bytes >> 20} MiB")
 PY
   done

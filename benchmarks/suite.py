@@ -512,6 +512,8 @@ def plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
                 ax.barh(i, m, xerr=[[m - min(v)], [max(v) - m]], color=colors[ld], capsize=2, height=0.75)
                 ax.text(max(v), i, f" {m:.2f}" if m >= 0.1 else f" {m:.3f}", va="center", fontsize=7)
             ax.set_xlim(0, top * 1.45 or 1)
+            if not top:  # a scenario run for another checkpoint only
+                ax.text(0.5, 0.5, "not run", transform=ax.transAxes, ha="center", va="center", fontsize=9, color="gray")
             ax.set_yticks(range(len(loaders)), loaders if col == 0 else [], fontsize=8)
             ax.invert_yaxis()
             ax.set_title(sc, fontsize=9)

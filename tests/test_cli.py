@@ -46,6 +46,17 @@ def test_load_and_bench_take_a_read_mode(tmp_path: Path) -> None:
     assert refused.returncode == 2 and "shared" in refused.stderr  # the choices, named
 
 
+def test_load_into_a_model_with_load_weights(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(256, 1024), "b": torch.zeros(3)}, str(path))
+    # --weights-on-device asks for GPU tensors; on a CPU model it changes nothing.
+    for extra in ((), ("--weights-on-device",)):
+        done = run("load", str(path), "--model", "tests.cli_models:engine", "-q", "--json", *extra)
+        assert done.returncode == 0, done.stderr  # the model checks what it got
+        row = json.loads(done.stdout)
+        assert row["installed"] == 2 and row["missing"] == [] and row["bytes"] == 256 * 1024 * 4 + 12
+
+
 def test_errors_are_one_line_and_name_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\xff" * 16)

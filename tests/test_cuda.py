@@ -307,6 +307,25 @@ async def test_stand_in_destinations_become_tensors_of_the_consumers_own(write: 
     assert stream.stats.peak_inflight_bytes <= SMALL_BUDGET
 
 
+async def test_no_gpu_memory_for_a_stand_in_is_a_load_error_naming_the_tensor(write: Callable[..., Path]) -> None:
+    ts = tensors(n=4, seed=10)
+    path = write(ts)
+
+    def empty(like: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.31 MiB")
+
+    def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
+        return torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta") if spec.nbytes >= 1 << 20 else None
+
+    stream = TensorStream(path, destinations=dest, device_copy=LateCopies(), device_empty=empty, chunk_bytes=1 << 20)
+    with pytest.raises(aload.LoadError, match="out of GPU memory") as err:
+        async with stream:
+            async for _ in stream:
+                pass
+    first_big = next(n for n, t in ts.items() if t.nbytes >= 1 << 20)
+    assert err.value.tensor == first_big and err.value.byte_range is not None
+
+
 @gpu
 async def test_weights_on_device_hands_load_weights_its_large_tensors_on_the_gpu(write: Callable[..., Path]) -> None:
     ts = tensors(seed=9)
