@@ -122,8 +122,10 @@ async def load(
     time through pinned memory and copied on the load's stream, as the built-in loader's are (the
     default budget is then 64 MiB); its ``copy_`` into the parameter is then one on the GPU.
     Smaller tensors come in pinned host memory as before. Each such tensor takes GPU memory
-    until the model drops it: the tensors read ahead of the model (up to ``2 * concurrency``
-    units) besides the parameters; where it runs out, a ``LoadError`` names the tensor. Without
+    until the model drops it: up to ``reader.DEVICE_AHEAD_BYTES`` (1 GiB) of them read ahead of
+    the model (one larger goes alone), besides the parameters; they stay cached in torch's
+    allocator after the load (``torch.cuda.empty_cache()`` hands them back); where GPU memory
+    runs out, a ``LoadError`` names the tensor. Without
     effect with tensor stages (they get host tensors), ``verify``, on a CPU, or with the
     built-in loader.
     """

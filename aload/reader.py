@@ -53,6 +53,11 @@ STAGE_PIECE_BYTES = 8 << 20
 STAGE_SLOTS = 4
 #: How often a piece waiting to be reused asks whether its copy to the GPU has completed.
 STAGE_POLL_S = 0.0002
+#: The most bytes of tensors made on the GPU to hand on (``load(weights_on_device=True)``) that
+#: a load holds ahead of its consumer: a unit waits for earlier ones to be dropped beyond this
+#: (one larger goes alone, and a consumer that keeps them all gets the next anyway). On an H200
+#: host, 1 and 4 GiB Llama-shaped loads held 474-612 MiB at the peak without a bound.
+DEVICE_AHEAD_BYTES = 1 << 30
 
 
 @dataclass
@@ -162,8 +167,10 @@ class Reader:
         # For units bound for a GPU: enqueues copy(dst, src) on the load's stream, returns an
         # event that completes with it (``_read_staged``).
         self._device_copy = device_copy
-        # Makes a unit's GPU tensor where its destination is a stand-in on "meta" (``_read_staged``).
+        # Makes a unit's GPU tensor where its destination is a stand-in on "meta" (``_read_staged``),
+        # and the bytes of those made or about to be that the consumer has not dropped yet.
         self._device_empty = device_empty
+        self._device_held = 0
         self._progress = progress
         self._loop = asyncio.get_running_loop()
         self._t0 = time.perf_counter() if t0 is None else t0
@@ -367,6 +374,8 @@ class Reader:
                     await self._changed.wait()
                 self._unread += unit.nbytes
             if unit.on_device:
+                if unit.dest is not None and unit.dest.is_meta:
+                    await self._device_room(unit.nbytes)
                 # Its pieces' pinned memory leased here, in plan order, as other units' buffers are:
                 # a unit ahead of it never waits for budget that units behind it hold.
                 pieces = Unit(unit.source, unit.start, min(unit.nbytes, self._stage_max), dest=unit.dest)
@@ -388,6 +397,25 @@ class Reader:
             del lease
         await self._queue.put(None)
 
+    async def _device_room(self, n: int) -> None:
+        """Wait until ``n`` more bytes of tensors made on the GPU fit ``DEVICE_AHEAD_BYTES``
+        beside those the consumer still holds, and count them."""
+        while self._device_held and self._device_held + n > DEVICE_AHEAD_BYTES and not self._consumer_stuck():
+            self._changed.clear()
+            await self._changed.wait()
+        self._device_held += n
+
+    def _device_dropped(self, n: int) -> None:
+        """A tensor made on the GPU is dead, in whichever thread dropped it."""
+        try:
+            self._loop.call_soon_threadsafe(self._device_freed, n)
+        except RuntimeError:  # loop closed: the reader is gone
+            pass
+
+    def _device_freed(self, n: int) -> None:
+        self._device_held -= n
+        self._changed.set()
+
     async def _read_staged(self, unit: Unit, stage: Lease) -> None:
         """A unit bound for a GPU parameter: read a piece at a time into ``stage`` (pinned memory
         of the budget, up to ``STAGE_SLOTS`` pieces), each piece copied on to its part of the parameter
@@ -400,10 +428,14 @@ class Reader:
                 raise UsageError("a destination on 'meta' needs device_empty to make it", tensor=name)
             try:
                 unit.dest, unit.handed_off = self._device_empty(unit.dest), True
-            except torch.OutOfMemoryError as exc:
+                weakref.finalize(unit.dest, self._device_dropped, unit.nbytes)
+            except BaseException as exc:
+                self._device_freed(unit.nbytes)
+                if not isinstance(exc, torch.OutOfMemoryError):
+                    raise
                 raise LoadError(
-                    f"out of GPU memory for a tensor of {unit.nbytes} bytes to hand on on the GPU "
-                    "(weights_on_device: a lower concurrency holds fewer of them at once)",
+                    f"out of GPU memory for a tensor of {unit.nbytes} bytes to hand on on the GPU (weights_on_device "
+                    f"holds up to {DEVICE_AHEAD_BYTES >> 20} MiB of them ahead of the model; without it they come in host memory)",
                     tensor=name,
                     byte_range=(unit.start, unit.start + unit.nbytes),
                 ) from exc

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import aload
+from aload import reader as reader_module
 from aload.format import TensorSpec
 from aload.install import Installed, Loader
 from aload.pipeline import TensorStream
@@ -305,6 +306,47 @@ async def test_stand_in_destinations_become_tensors_of_the_consumers_own(write: 
     assert len(made) == len(big) and stream.stats.staged_bytes == sum(ts[n].nbytes for n in big)
     assert alive_after_drop == 0, "the stream still held tensors handed out"
     assert stream.stats.peak_inflight_bytes <= SMALL_BUDGET
+
+
+@pytest.mark.parametrize("keep", [False, True])
+async def test_tensors_made_to_hand_on_stay_within_their_bound(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, keep: bool
+) -> None:
+    """At most ``DEVICE_AHEAD_BYTES`` of them alive at once, one larger alone; a consumer that
+    keeps every one still gets the next (it would wait for itself otherwise)."""
+    monkeypatch.setattr(reader_module, "DEVICE_AHEAD_BYTES", 8 << 20)
+    ts = tensors(n=24, seed=11)  # tensors of 5.3 and 1.3 MiB among the small ones
+    path = write(ts)
+    alive: dict[int, int] = {}
+    most = [0]
+
+    def empty(like: torch.Tensor) -> torch.Tensor:
+        t = torch.empty(like.shape, dtype=like.dtype)
+        alive[id(t)] = t.nbytes
+        weakref.finalize(t, alive.pop, id(t))
+        most[0] = max(most[0], sum(alive.values()))
+        return t
+
+    def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
+        return torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta") if spec.nbytes >= 1 << 20 else None
+
+    kept = []
+    stream = TensorStream(
+        path, destinations=dest, device_copy=LateCopies(), device_empty=empty, chunk_bytes=1 << 20, concurrency=8
+    )
+    async with stream:
+        async for name, t in stream:
+            assert torch.equal(t, ts[name]), name
+            await asyncio.sleep(0.005)  # the consumer's work: the reader runs ahead meanwhile
+            if keep:
+                kept.append(t)
+            del t
+    big = [t.nbytes for t in ts.values() if t.nbytes >= 1 << 20]
+    assert len(kept) == (len(ts) if keep else 0)
+    if keep:
+        assert most[0] == sum(big)  # every one made, none dropped: the bound gave way
+    else:
+        assert max(big) < most[0] <= 8 << 20  # more than one at once, never past the bound
 
 
 async def test_no_gpu_memory_for_a_stand_in_is_a_load_error_naming_the_tensor(write: Callable[..., Path]) -> None:
