@@ -184,9 +184,6 @@ class Reader:
         self._window = min(max_inflight_bytes, 2 * concurrency * chunk_bytes)
         self._unread = 0  # bytes of leased buffers not yet read into
         self._helper = IOPool(1)  # one thread for prefaults (and a stream's scatters), started on first use
-        # Pinned memory for the next unit that takes a buffer outside the arena, made on the helper
-        # thread (``_fresh_pinned``): pinning is ~0.5 ms a MiB, on the loop a held loop.
-        self._fresh: np.ndarray[Any, Any] | None = None
 
     # -- budget ---------------------------------------------------------------------------
     def poke(self) -> None:
@@ -206,8 +203,6 @@ class Reader:
 
     async def _acquire(self, unit: Unit) -> Lease:
         waited_from: float | None = None
-        if unit.nbytes > self._arena.capacity:  # read alone, outside the arena
-            await self._fresh_pinned(unit)
         try:
             while True:
                 lease = self._try_alloc(unit)
@@ -215,8 +210,7 @@ class Reader:
                     await asyncio.sleep(0)  # let pending releases land first
                     lease = self._try_alloc(unit)
                     if lease is None and self._consumer_stuck():
-                        await self._fresh_pinned(unit)
-                        lease = self._try_alloc(unit) or (self._overdraft(unit) if self._consumer_stuck() else None)
+                        lease = self._overdraft(unit)
                 if lease is not None:
                     return lease
                 if waited_from is None:
@@ -228,17 +222,14 @@ class Reader:
             if waited_from is not None:
                 self.stats.budget_wait_s += time.perf_counter() - waited_from
 
-    async def _fresh_pinned(self, unit: Unit) -> None:
-        """Where buffers are pinned, pinned memory for ``unit`` outside the arena, made on the
-        helper thread ahead of ``_buffer``, which takes it (a no-op otherwise: an unpinned
-        buffer is faulted in on that thread, ``_prefault``)."""
-        if self._pin and (self._fresh is None or self._fresh.nbytes != unit.nbytes):
-            self._fresh = None
-            self._fresh = await self._helper.run(host_array, unit.nbytes, True)
-
-    def _mappable(self, unit: Unit) -> bool:
-        # Pinned buffers are what a GPU copies from asynchronously; a mapped file is not pinned.
-        if self._pin or unit.on_device:
+    def _mappable(self, unit: Unit, outside: bool = False) -> bool:
+        """Whether ``unit`` is handed out as a view of its file's mapping. Where buffers are
+        pinned (a GPU copies from pinned memory asynchronously; a mapping is not pinned), only
+        ``outside`` the arena: a tensor larger than the budget or an overdraft, which would
+        otherwise need fresh memory. Pinning it would cost ~0.5 ms a MiB (512 MiB: 255-323 ms on
+        an H200 host); a copy from pageable memory to the GPU ran at 6-8 GB/s there (~0.13 ms a
+        MiB), and returns once the bytes are staged, so the view can go when the tensor does."""
+        if unit.on_device or (self._pin and not outside):
             return False
         if unit.source.maps(unit.start, unit.nbytes):
             return True
@@ -249,19 +240,19 @@ class Reader:
 
     def _buffered(self, unit: Unit) -> bool:
         """Whether ``unit`` is read into a leased buffer (the read-ahead window counts those)."""
-        return not unit.in_place and unit.nbytes > 0 and not self._mappable(unit)
+        return not unit.in_place and unit.nbytes > 0 and not self._mappable(unit, unit.nbytes > self._arena.capacity)
 
     def _try_alloc(self, unit: Unit) -> Lease | None:
         n, inflight, cap = unit.nbytes, self.stats.inflight_bytes, self._arena.capacity
         if inflight + n > cap and not (n > cap and inflight == 0):  # larger than the budget: alone
             return None
-        if self._mappable(unit):
+        if self._mappable(unit, outside=n > cap):
             return self._lease(MAPPED, unit.start, n, unit.source.view(unit.start, n), unit.source)
         return self._buffer(unit, from_arena=n <= cap)
 
     def _overdraft(self, unit: Unit) -> Lease:
         self.stats.overdraft_bytes += unit.nbytes
-        if self._mappable(unit):
+        if self._mappable(unit, outside=True):
             return self._lease(MAPPED, unit.start, unit.nbytes, unit.source.view(unit.start, unit.nbytes), unit.source)
         lease = self._buffer(unit, from_arena=False)
         assert lease is not None  # a fresh allocation always succeeds
@@ -269,9 +260,10 @@ class Reader:
 
     def _buffer(self, unit: Unit, from_arena: bool) -> Lease | None:
         """A region of the arena (None when none is free) or a fresh allocation for ``unit``: the
-        whole blocks of the file around it where the source reads straight into them."""
+        whole blocks of the file around it where the source reads straight into them. A fresh
+        allocation is never pinned (see ``_mappable``): it is faulted in on the helper thread."""
         n = unit.nbytes
-        align = 0 if self._pin or unit.on_device else unit.source.frame_align(unit.start, n)
+        align = 0 if (self._pin and from_arena) or unit.on_device else unit.source.frame_align(unit.start, n)
         pad = unit.start % align if align else 0
         size = -(-(pad + n) // align) * align if align else n
         if from_arena:
@@ -280,9 +272,7 @@ class Reader:
                 return None
             kind, memory = ARENA, self._arena.array()[start : start + size]
         else:
-            fresh, self._fresh = self._fresh, None
-            memory = fresh if fresh is not None and fresh.nbytes == size else host_array(size, self._pin)
-            kind, start = OUTSIDE, 0
+            kind, start, memory = OUTSIDE, 0, host_array(size, False)
         lease = self._lease(kind, start, size, memory[pad : pad + n])
         if align:
             lease.frame, lease.pad = memory, pad
@@ -508,9 +498,8 @@ class Reader:
             self.stats.direct_bytes += unit.nbytes
 
     async def _prefault(self, lease: Lease) -> None:
-        """Fault in the parts of a lease's buffer never used before, in one call on a thread."""
-        if self._pin:
-            return
+        """Fault in the parts of a lease's buffer never used before, in one call on a thread (a
+        pinned arena is all faulted in: ``Arena.warm``)."""
         if lease.kind == OUTSIDE:
             assert lease.tensor is not None
             memory = lease.frame if lease.frame is not None else lease.tensor.numpy()
