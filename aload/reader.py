@@ -703,6 +703,12 @@ class Reader:
             if t.done() and not t.cancelled():
                 t.exception()
         self._arena.drop()  # tensors still held keep their part alive; the rest returns now
+        if self._device_empty is not None:
+            # Tensors made on the GPU for units never handed out are nobody's now: while the
+            # consumer holds one it was given, its finalizer keeps this reader, and the plan, alive.
+            for unit in self.plan.units:
+                if unit.handed_off:
+                    unit.dest = None
         await self._helper.aclose()
         if self._digests is not None:
             await self._digests.aclose()

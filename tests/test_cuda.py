@@ -349,6 +349,39 @@ async def test_tensors_made_to_hand_on_stay_within_their_bound(
         assert max(big) < most[0] <= 8 << 20  # more than one at once, never past the bound
 
 
+async def test_a_stream_left_early_lets_go_of_the_tensors_it_made(write: Callable[..., Path]) -> None:
+    """Leaving the stream after the first large tensor: nothing made for the ones behind it is
+    held once the stream is closed, and the one kept stays the consumer's."""
+    ts = tensors(n=16, seed=12)
+    path = write(ts)
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def empty(like: torch.Tensor) -> torch.Tensor:
+        t = torch.empty(like.shape, dtype=like.dtype)
+        made.append(weakref.ref(t))
+        return t
+
+    def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
+        return torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta") if spec.nbytes >= 1 << 20 else None
+
+    copies = LateCopies()
+    stream = TensorStream(
+        path, destinations=dest, device_copy=copies, device_empty=empty, chunk_bytes=1 << 20, concurrency=4
+    )
+    kept: tuple[str, torch.Tensor] | None = None
+    async with stream:
+        async for name, t in stream:
+            if t.nbytes >= 1 << 20:
+                kept = (name, t)
+                break
+    copies.pool.shutdown(wait=True)
+    del stream, t
+    gc.collect()
+    assert kept is not None and torch.equal(kept[1], ts[kept[0]])
+    assert len(made) > 1  # the reader had made more ahead of the consumer
+    assert [r for r in made if r() is not None and r() is not kept[1]] == []
+
+
 async def test_no_gpu_memory_for_a_stand_in_is_a_load_error_naming_the_tensor(write: Callable[..., Path]) -> None:
     ts = tensors(n=4, seed=10)
     path = write(ts)
