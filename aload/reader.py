@@ -283,7 +283,9 @@ class Reader:
         self.stats.inflight_bytes += n
         self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self.stats.inflight_bytes)
         # Fires when the last tensor sharing `view`'s memory dies, in whichever thread drops it.
-        weakref.finalize(view, self._released_threadsafe, kind, start, n, source)
+        # It refers to the reader weakly: a tensor kept for good (``param.data = w``) does not keep
+        # the reader and its plan.
+        weakref.finalize(view, _view_released, weakref.ref(self), kind, start, n, source)
         return lease
 
     def _released_threadsafe(self, kind: str, start: int, n: int, source: Source | None) -> None:
@@ -395,13 +397,6 @@ class Reader:
             await self._changed.wait()
         self._device_held += n
 
-    def _device_dropped(self, n: int) -> None:
-        """A tensor made on the GPU is dead, in whichever thread dropped it."""
-        try:
-            self._loop.call_soon_threadsafe(self._device_freed, n)
-        except RuntimeError:  # loop closed: the reader is gone
-            pass
-
     def _device_freed(self, n: int) -> None:
         self._device_held -= n
         self._changed.set()
@@ -418,7 +413,8 @@ class Reader:
                 raise UsageError("a destination on 'meta' needs device_empty to make it", tensor=name)
             try:
                 unit.dest, unit.handed_off = self._device_empty(unit.dest), True
-                weakref.finalize(unit.dest, self._device_dropped, unit.nbytes)
+                # Not the reader itself: a model may keep the tensor (``param.data = w``) for good.
+                weakref.finalize(unit.dest, _device_dropped, weakref.ref(self), unit.nbytes)
             except BaseException as exc:
                 self._device_freed(unit.nbytes)
                 if not isinstance(exc, torch.OutOfMemoryError):
@@ -703,15 +699,42 @@ class Reader:
             if t.done() and not t.cancelled():
                 t.exception()
         self._arena.drop()  # tensors still held keep their part alive; the rest returns now
+        # The tasks ended; a cancelled one's traceback holds its frame's locals (a lease among
+        # them): let go of them now, not through the cyclic collector (they refer to this reader).
+        self._producer = None
+        self._tasks.clear()
         if self._device_empty is not None:
-            # Tensors made on the GPU for units never handed out are nobody's now: while the
-            # consumer holds one it was given, its finalizer keeps this reader, and the plan, alive.
+            # Tensors made on the GPU for units never handed out are nobody's now, however long
+            # this reader lives on (a stream object kept after its end).
             for unit in self.plan.units:
                 if unit.handed_off:
                     unit.dest = None
         await self._helper.aclose()
         if self._digests is not None:
             await self._digests.aclose()
+
+
+def _view_released(ref: weakref.ref[Reader], kind: str, start: int, n: int, source: Source | None) -> None:
+    """The last tensor viewing a lease's memory is dead: its bytes go back to the reader's budget,
+    and a mapped view's pages are let go (``Reader._released_threadsafe``); with the reader gone,
+    only the pages."""
+    reader = ref()
+    if reader is not None:
+        reader._released_threadsafe(kind, start, n, source)
+    elif source is not None:
+        source.release(start, n)
+
+
+def _device_dropped(ref: weakref.ref[Reader], n: int) -> None:
+    """A tensor made on the GPU is dead, in whichever thread dropped it: its bytes go back to the
+    reader's count, if the reader is still there."""
+    reader = ref()
+    if reader is None:
+        return
+    try:
+        reader._loop.call_soon_threadsafe(reader._device_freed, n)
+    except RuntimeError:  # loop closed: the load is over
+        pass
 
 
 async def all_ready(sources: Iterable[Source]) -> None:

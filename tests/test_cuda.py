@@ -375,9 +375,12 @@ async def test_a_stream_left_early_lets_go_of_the_tensors_it_made(write: Callabl
                 kept = (name, t)
                 break
     copies.pool.shutdown(wait=True)
+    reader = weakref.ref(stream.reader)
     del stream, t
+    await asyncio.sleep(0.01)  # the releases already asked for run on the loop
     gc.collect()
     assert kept is not None and torch.equal(kept[1], ts[kept[0]])
+    assert reader() is None  # the tensor kept does not keep the reader (nor its plan)
     assert len(made) > 1  # the reader had made more ahead of the consumer
     assert [r for r in made if r() is not None and r() is not kept[1]] == []
 

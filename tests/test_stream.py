@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -316,6 +318,25 @@ async def test_early_exit_closes_reads_and_files(write: Callable[..., Path]) -> 
         async for _name, _t in s:
             break
     # the no_leaks fixture checks threads and file descriptors
+
+
+@pytest.mark.parametrize("keep", [False, True])
+async def test_early_exit_leaves_the_reader_to_be_freed(write: Callable[..., Path], keep: bool) -> None:
+    """A stream left after its first tensor, with reads in flight: once it is closed nothing of
+    it outlives it, even while the consumer keeps the tensor it was given (a cancelled read's
+    frame held its buffer, whose release callback held the reader, which held that read)."""
+    path = write(big_checkpoint())
+    s = aload.stream(path, max_inflight_bytes=4 * MiB, concurrency=4)
+    async with s:
+        async for _name, t in s:  # noqa: B007  (the tensor is kept below)
+            break
+    reader = weakref.ref(s.reader)
+    kept = t if keep else None
+    del s, t
+    await asyncio.sleep(0.01)  # the releases already asked for run on the loop
+    gc.collect()
+    assert reader() is None
+    assert kept is None or kept.numel() > 0
 
 
 async def test_truncated_shard_names_file_and_range(write: Callable[..., Path]) -> None:
