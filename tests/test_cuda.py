@@ -265,6 +265,12 @@ async def test_pieces_bound_for_a_gpu_are_read_into_again_only_after_their_copie
     assert stream.stats.peak_inflight_bytes <= SMALL_BUDGET
 
 
+def stand_in(name: str, spec: TensorSpec) -> torch.Tensor | None:
+    """``load(weights_on_device=True)``'s destinations: a stand-in on "meta" for each tensor of
+    1 MiB or more, which ``device_empty`` makes real when its reads start."""
+    return torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta") if spec.nbytes >= 1 << 20 else None
+
+
 async def test_stand_in_destinations_become_tensors_of_the_consumers_own(write: Callable[..., Path]) -> None:
     """``load(weights_on_device=True)``'s path on the CPU: each large tensor's destination is a
     stand-in on "meta", made real when its reads start (``device_empty``), read in pieces with
@@ -281,13 +287,10 @@ async def test_stand_in_destinations_become_tensors_of_the_consumers_own(write: 
         made.append(weakref.ref(t))
         return t
 
-    def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
-        return torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta") if spec.nbytes >= 1 << 20 else None
-
     big = [n for n in ts if ts[n].nbytes >= 1 << 20]
     stream = TensorStream(
         path,
-        destinations=dest,
+        destinations=stand_in,
         device_copy=copies,
         device_empty=empty,
         max_inflight_bytes=SMALL_BUDGET,
@@ -327,12 +330,10 @@ async def test_tensors_made_to_hand_on_stay_within_their_bound(
         most[0] = max(most[0], sum(alive.values()))
         return t
 
-    def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
-        return torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta") if spec.nbytes >= 1 << 20 else None
-
     kept = []
+    copies = LateCopies()
     stream = TensorStream(
-        path, destinations=dest, device_copy=LateCopies(), device_empty=empty, chunk_bytes=1 << 20, concurrency=8
+        path, destinations=stand_in, device_copy=copies, device_empty=empty, chunk_bytes=1 << 20, concurrency=8
     )
     async with stream:
         async for name, t in stream:
@@ -341,6 +342,7 @@ async def test_tensors_made_to_hand_on_stay_within_their_bound(
             if keep:
                 kept.append(t)
             del t
+    copies.pool.shutdown(wait=True)
     big = [t.nbytes for t in ts.values() if t.nbytes >= 1 << 20]
     assert len(kept) == (len(ts) if keep else 0)
     if keep:
@@ -361,12 +363,9 @@ async def test_a_stream_left_early_lets_go_of_the_tensors_it_made(write: Callabl
         made.append(weakref.ref(t))
         return t
 
-    def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
-        return torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta") if spec.nbytes >= 1 << 20 else None
-
     copies = LateCopies()
     stream = TensorStream(
-        path, destinations=dest, device_copy=copies, device_empty=empty, chunk_bytes=1 << 20, concurrency=4
+        path, destinations=stand_in, device_copy=copies, device_empty=empty, chunk_bytes=1 << 20, concurrency=4
     )
     kept: tuple[str, torch.Tensor] | None = None
     async with stream:
@@ -392,10 +391,9 @@ async def test_no_gpu_memory_for_a_stand_in_is_a_load_error_naming_the_tensor(wr
     def empty(like: torch.Tensor) -> torch.Tensor:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.31 MiB")
 
-    def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
-        return torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta") if spec.nbytes >= 1 << 20 else None
-
-    stream = TensorStream(path, destinations=dest, device_copy=LateCopies(), device_empty=empty, chunk_bytes=1 << 20)
+    stream = TensorStream(
+        path, destinations=stand_in, device_copy=LateCopies(), device_empty=empty, chunk_bytes=1 << 20
+    )
     with pytest.raises(aload.LoadError, match="out of GPU memory") as err:
         async with stream:
             async for _ in stream:
