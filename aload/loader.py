@@ -52,7 +52,9 @@ class LoadReport:
     opened_s: float | None = None  # the checkpoint open (index and headers parsed), from the call
     planned_s: float | None = None  # the plan made, from the call (the model's walk comes first)
     warm_copy: str | None = None  # "pread" or "map": how bytes came out of the page cache (aload.warmcopy)
-    staged_bytes: int = 0  # read through pinned pieces and copied on to GPU parameters (built-in loader)
+    staged_bytes: int = (
+        0  # read through pinned pieces and copied on to the GPU (the built-in loader, weights_on_device)
+    )
 
     def summary(self) -> str:
         return (
@@ -61,6 +63,7 @@ class LoadReport:
             f"{self.peak_inflight_bytes / 2**20:.1f} MiB; load {self.load_s:.3f} s, "
             f"post-processing {self.postprocess_s:.3f} s; missing {len(self.missing)}, "
             f"unexpected {len(self.unexpected)}"
+            + (f"; {self.staged_bytes / 1e9:.3f} GB on to the GPU in pinned pieces" if self.staged_bytes else "")
             + (f"; SHA-256 verified for {self.verified_shards} shard(s)" if self.verified_shards else "")
             + (f"; page cache copied by {_COPY_WORDS[self.warm_copy]}" if self.warm_copy else "")
         )

@@ -421,7 +421,7 @@ async def test_weights_on_device_hands_load_weights_its_large_tensors_on_the_gpu
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     report = await aload.load(engine, path, weights_on_device=True, max_inflight_bytes=SMALL_BUDGET)
-    assert report.staged_bytes == staged_part(ts)
+    assert report.staged_bytes == staged_part(ts) and "GB on to the GPU in pinned pieces" in report.summary()
     assert {n for n, d in seen.items() if d.type == "cuda"} == {n for n, t in ts.items() if t.nbytes >= 1 << 20}
     assert_holds(engine.inner, ts)
     gc.collect()
