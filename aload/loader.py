@@ -128,9 +128,9 @@ async def load(
     until the model drops it: up to ``reader.DEVICE_AHEAD_BYTES`` (1 GiB) of them read ahead of
     the model (one larger goes alone), besides the parameters; they stay cached in torch's
     allocator after the load (``torch.cuda.empty_cache()`` hands them back); where GPU memory
-    runs out, a ``LoadError`` names the tensor. Without
-    effect with tensor stages (they get host tensors), ``verify``, on a CPU, or with the
-    built-in loader.
+    runs out, a ``LoadError`` names the tensor. Leading renames and filters are fine (they act
+    on the plan); after a tensor stage such as ``stages.map`` every tensor is a host tensor.
+    Without effect with ``verify``, on a CPU, or with the built-in loader.
     """
     t0 = time.perf_counter()
     loader = loader or Loader(strict=strict, after_load=after_load, after_postprocess=after_postprocess)

@@ -311,6 +311,40 @@ async def test_stand_in_destinations_become_tensors_of_the_consumers_own(write: 
     assert stream.stats.peak_inflight_bytes <= SMALL_BUDGET
 
 
+@pytest.mark.parametrize("tensor_stage", [False, True])
+async def test_renames_and_filters_keep_stand_ins_a_tensor_stage_does_not(
+    write: Callable[..., Path], tensor_stage: bool
+) -> None:
+    """Leading renames and filters act on the plan, so tensors still come made for the consumer;
+    after a tensor stage (``map``) every tensor is a host tensor from a buffer, as the stage saw it."""
+    ts = tensors(n=8, seed=13)
+    path = write(ts)
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def empty(like: torch.Tensor) -> torch.Tensor:
+        t = torch.empty(like.shape, dtype=like.dtype)
+        made.append(weakref.ref(t))
+        return t
+
+    stages: list[Any] = [aload.stages.drop(r"\.norm$"), aload.stages.rename([(r"^layers\.", "model.layers.")])]
+    if tensor_stage:
+        stages.append(aload.stages.map(lambda name, t: t))
+    copies = LateCopies()
+    stream = TensorStream(
+        path, stages=stages, destinations=stand_in, device_copy=copies, device_empty=empty, chunk_bytes=1 << 20
+    )
+    got = {}
+    async with stream:
+        async for name, t in stream:
+            got[name] = (t.clone(), any(r() is t for r in made))
+    copies.pool.shutdown(wait=True)
+    want = {"model." + n: t for n, t in ts.items() if not n.endswith(".norm")}
+    assert got.keys() == want.keys() and all(torch.equal(got[n][0], want[n]) for n in want)
+    big = {n for n, t in want.items() if t.nbytes >= 1 << 20}
+    assert {n for n, (_, own) in got.items() if own} == (set() if tensor_stage else big)
+    assert len(made) == (0 if tensor_stage else len(big))
+
+
 @pytest.mark.parametrize("keep", [False, True])
 async def test_tensors_made_to_hand_on_stay_within_their_bound(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, keep: bool
