@@ -271,6 +271,20 @@ def stand_in(name: str, spec: TensorSpec) -> torch.Tensor | None:
     return torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta") if spec.nbytes >= 1 << 20 else None
 
 
+class Made:
+    """``device_empty`` on the CPU: a NaN-filled host tensor for each stand-in, each kept weakly
+    in ``made``."""
+
+    def __init__(self) -> None:
+        self.made: list[weakref.ref[torch.Tensor]] = []
+
+    def __call__(self, like: torch.Tensor) -> torch.Tensor:
+        assert like.is_meta
+        t = torch.full(like.shape, float("nan"), dtype=like.dtype)
+        self.made.append(weakref.ref(t))
+        return t
+
+
 async def test_stand_in_destinations_become_tensors_of_the_consumers_own(write: Callable[..., Path]) -> None:
     """``load(weights_on_device=True)``'s path on the CPU: each large tensor's destination is a
     stand-in on "meta", made real when its reads start (``device_empty``), read in pieces with
@@ -279,13 +293,8 @@ async def test_stand_in_destinations_become_tensors_of_the_consumers_own(write: 
     ts = tensors(n=16, seed=8)
     path = write(ts)
     copies = LateCopies()
-    made: list[weakref.ref[torch.Tensor]] = []
-
-    def empty(like: torch.Tensor) -> torch.Tensor:
-        assert like.is_meta
-        t = torch.full(like.shape, float("nan"), dtype=like.dtype)
-        made.append(weakref.ref(t))
-        return t
+    empty = Made()
+    made = empty.made
 
     big = [n for n in ts if ts[n].nbytes >= 1 << 20]
     stream = TensorStream(
@@ -319,12 +328,8 @@ async def test_renames_and_filters_keep_stand_ins_a_tensor_stage_does_not(
     after a tensor stage (``map``) every tensor is a host tensor from a buffer, as the stage saw it."""
     ts = tensors(n=8, seed=13)
     path = write(ts)
-    made: list[weakref.ref[torch.Tensor]] = []
-
-    def empty(like: torch.Tensor) -> torch.Tensor:
-        t = torch.empty(like.shape, dtype=like.dtype)
-        made.append(weakref.ref(t))
-        return t
+    empty = Made()
+    made = empty.made
 
     stages: list[Any] = [aload.stages.drop(r"\.norm$"), aload.stages.rename([(r"^layers\.", "model.layers.")])]
     if tensor_stage:
@@ -390,12 +395,8 @@ async def test_a_stream_left_early_lets_go_of_the_tensors_it_made(write: Callabl
     held once the stream is closed, and the one kept stays the consumer's."""
     ts = tensors(n=16, seed=12)
     path = write(ts)
-    made: list[weakref.ref[torch.Tensor]] = []
-
-    def empty(like: torch.Tensor) -> torch.Tensor:
-        t = torch.empty(like.shape, dtype=like.dtype)
-        made.append(weakref.ref(t))
-        return t
+    empty = Made()
+    made = empty.made
 
     copies = LateCopies()
     stream = TensorStream(
