@@ -52,9 +52,7 @@ class LoadReport:
     opened_s: float | None = None  # the checkpoint open (index and headers parsed), from the call
     planned_s: float | None = None  # the plan made, from the call (the model's walk comes first)
     warm_copy: str | None = None  # "pread" or "map": how bytes came out of the page cache (aload.warmcopy)
-    staged_bytes: int = (
-        0  # read through pinned pieces and copied on to the GPU (the built-in loader, weights_on_device)
-    )
+    staged_bytes: int = 0  # read in pinned pieces and copied on to the GPU (built-in, weights_on_device)
 
     def summary(self) -> str:
         return (

@@ -208,9 +208,7 @@ class Reader:
                 lease = self._try_alloc(unit)
                 if lease is None and self._consumer_stuck():
                     await asyncio.sleep(0)  # let pending releases land first
-                    lease = self._try_alloc(unit)
-                    if lease is None and self._consumer_stuck():
-                        lease = self._overdraft(unit)
+                    lease = self._try_alloc(unit) or (self._overdraft(unit) if self._consumer_stuck() else None)
                 if lease is not None:
                     return lease
                 if waited_from is None:
@@ -222,14 +220,14 @@ class Reader:
             if waited_from is not None:
                 self.stats.budget_wait_s += time.perf_counter() - waited_from
 
-    def _mappable(self, unit: Unit, outside: bool = False) -> bool:
+    def _mappable(self, unit: Unit, overdraft: bool = False) -> bool:
         """Whether ``unit`` is handed out as a view of its file's mapping. Where buffers are
         pinned (a GPU copies from pinned memory asynchronously; a mapping is not pinned), only
-        ``outside`` the arena: a tensor larger than the budget or an overdraft, which would
+        outside the arena: a tensor larger than the budget or an ``overdraft``, which would
         otherwise need fresh memory. Pinning it would cost ~0.5 ms a MiB (512 MiB: 255-323 ms on
         an H200 host); a copy from pageable memory to the GPU ran at 6-8 GB/s there (~0.13 ms a
         MiB), and returns once the bytes are staged, so the view can go when the tensor does."""
-        if unit.on_device or (self._pin and not outside):
+        if unit.on_device or (self._pin and not overdraft and unit.nbytes <= self._arena.capacity):
             return False
         if unit.source.maps(unit.start, unit.nbytes):
             return True
@@ -240,19 +238,19 @@ class Reader:
 
     def _buffered(self, unit: Unit) -> bool:
         """Whether ``unit`` is read into a leased buffer (the read-ahead window counts those)."""
-        return not unit.in_place and unit.nbytes > 0 and not self._mappable(unit, unit.nbytes > self._arena.capacity)
+        return not unit.in_place and unit.nbytes > 0 and not self._mappable(unit)
 
     def _try_alloc(self, unit: Unit) -> Lease | None:
         n, inflight, cap = unit.nbytes, self.stats.inflight_bytes, self._arena.capacity
         if inflight + n > cap and not (n > cap and inflight == 0):  # larger than the budget: alone
             return None
-        if self._mappable(unit, outside=n > cap):
+        if self._mappable(unit):
             return self._lease(MAPPED, unit.start, n, unit.source.view(unit.start, n), unit.source)
         return self._buffer(unit, from_arena=n <= cap)
 
     def _overdraft(self, unit: Unit) -> Lease:
         self.stats.overdraft_bytes += unit.nbytes
-        if self._mappable(unit, outside=True):
+        if self._mappable(unit, overdraft=True):
             return self._lease(MAPPED, unit.start, unit.nbytes, unit.source.view(unit.start, unit.nbytes), unit.source)
         lease = self._buffer(unit, from_arena=False)
         assert lease is not None  # a fresh allocation always succeeds
