@@ -58,6 +58,26 @@ def pread_into(fd: int, buf: memoryview, offset: int, url: str) -> None:
         done += n
 
 
+def read_cached(fd: int, buf: memoryview, offset: int) -> bool:
+    """Fill ``buf`` from ``offset`` if the page cache holds all of it, without waiting for the disk
+    (``RWF_NOWAIT``): False where a page is missing, the file ends first, or the kernel or the
+    filesystem does not take the flag. For small reads on the event loop (a checkpoint's index
+    and headers), which otherwise cost a trip to a read thread each."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    done, total = 0, len(buf)
+    if flag is None:
+        return total == 0
+    while done < total:
+        try:
+            n = os.preadv(fd, [buf[done:]], offset + done, flag)
+        except OSError:  # EAGAIN: not all cached; EOPNOTSUPP/EINVAL: not here
+            return False
+        if n == 0:
+            return False
+        done += n
+    return True
+
+
 #: What one ``POSIX_FADV_WILLNEED`` reads at most where the device's limits are not known.
 WILLNEED_PIECE_BYTES = 128 << 10
 

@@ -102,6 +102,27 @@ def start_read_thread(by: int, cores: list[int] | None) -> None:
             pass
 
 
+class LoopBudget:
+    """Short blocking-free work done right on the event loop, where a trip to a thread would cost
+    more (a local file's index, headers and page-cache look), up to ``PAUSE_AFTER_S`` of it per
+    turn of the loop; past that, the caller takes the thread after all."""
+
+    __slots__ = ("_since",)
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+
+    def allows(self) -> bool:
+        now = time.perf_counter()
+        if self._since is None:
+            self._since = now
+            asyncio.get_running_loop().call_soon(self._reset)  # the next turn starts afresh
+        return now - self._since < PAUSE_AFTER_S
+
+    def _reset(self) -> None:
+        self._since = None
+
+
 async def hand_back() -> None:
     """Let the event loop run whatever is due before aload's work on it goes on.
 

@@ -135,12 +135,17 @@ async def load(
     dev = _device(model, device)
     cuda = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # type: ignore[no-untyped-call]
     # The built-in loader's walk over the model is one Python step per module: on a thread, where
-    # the interpreter switches away every 5 ms, not on the loop (20,000 modules: ~45 ms). A model
-    # with its own load_weights needs no walk, nor the thread's round trip (0.6-1.9 ms here).
-    if hasattr(model, "load_weights") and type(loader).destinations is Loader.destinations:
+    # the interpreter switches away every 5 ms, not on the loop (20,000 modules: ~45 ms), while the
+    # checkpoint opens (the walk's thread and round trip came first: 2-4 ms before the open, in a
+    # fresh process, 1 GiB). A model with its own load_weights needs no walk, nor the round trip.
+    walk: asyncio.Future[Any] | None = None
+    dests: Any
+    if type(loader).destinations is not Loader.destinations:  # a subclass's, which may say None
+        dests = await run_in_thread(loader.destinations, model, dev)
+    elif hasattr(model, "load_weights"):
         dests = None
     else:
-        dests = await run_in_thread(loader.destinations, model, dev)
+        dests = walk = asyncio.ensure_future(run_in_thread(loader.destinations, model, dev))
     temps = weights_on_device and cuda is not None and dests is None
     if temps:
         dests = _on_device
@@ -169,6 +174,8 @@ async def load(
     bridge: SyncBridge | None = None
     try:
         async with ts:
+            if walk is not None:  # awaited by the plan already, unless tensor stages left it out
+                await walk
             bridge = SyncBridge(ts)
             pump = asyncio.ensure_future(bridge.pump())
             work, thread = start_thread(_work, loader, model, bridge, dev, cuda, name="aload-load")
@@ -179,6 +186,9 @@ async def load(
         _record_progress(exc, bridge, direct=dests is not None and not temps)
         raise
     finally:
+        if walk is not None and not walk.done():  # the open failed or was cancelled first
+            walk.cancel()
+            await asyncio.wait([walk])  # its thread ends before this returns
         loader._walked = loader._unquantized = None  # a Loader kept for later loads holds no reference to this model
     assert bridge is not None
     bridge.settle()

@@ -64,8 +64,22 @@ class Residency:
         """Blocking: ``cachestat`` over sampled windows, or ``mincore`` over ``mapping()``."""
         with _LOOKING:
             pages = window_pages(fd, size, CACHE_WINDOW_BYTES, CACHE_SAMPLE_BYTES)
-        if pages is None:
-            return cls(all_cached(mapping()))
+        return cls(all_cached(mapping())) if pages is None else cls._from(pages, size)
+
+    @classmethod
+    def look_now(cls, fd: int, size: int) -> Residency | None:
+        """``look`` where it takes no wait, for the event loop: None where another file is being
+        looked at or ``cachestat`` is refused (``mincore`` would map the file first)."""
+        if not _LOOKING.acquire(blocking=False):
+            return None
+        try:
+            pages = window_pages(fd, size, CACHE_WINDOW_BYTES, CACHE_SAMPLE_BYTES)
+        finally:
+            _LOOKING.release()
+        return None if pages is None else cls._from(pages, size)
+
+    @classmethod
+    def _from(cls, pages: list[int], size: int) -> Residency:
         before = [0]
         for n in pages:
             before.append(before[-1] + n)

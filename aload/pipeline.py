@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -47,7 +48,7 @@ class TensorStream:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         progress: Callable[[Progress], None] | None = None,
         options: dict[str, Any] | None = None,
-        destinations: DestFn | None = None,
+        destinations: DestFn | Awaitable[DestFn | None] | None = None,
         pin: bool = False,
         release_event: Callable[[], Any] | None = None,
         device_copy: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
@@ -78,7 +79,9 @@ class TensorStream:
         self._chunk_bytes, self._budget = chunk_bytes, max_inflight_bytes
         self._options = options or {}
         self._verify = None if verify is False else verify  # type: ignore[comparison-overlap]  # False reads as off
-        # Reading straight into a destination skips tensor stages, so only without them.
+        # Reading straight into a destination skips tensor stages, so only without them. An
+        # awaitable (the model's walk, on a thread while the checkpoint opens) is awaited before
+        # the plan.
         self._dest = destinations if not self._stages else None
         self._on_device = device_copy is not None  # a GPU destination has a stream to copy on
         self.checkpoint: Checkpoint | None = source if isinstance(source, Checkpoint) else None
@@ -117,6 +120,8 @@ class TensorStream:
         # at once, not one by one as the reads reach each shard: a thread round trip per shard, in
         # turn, made a 64-shard load 7-10% slower.
         await all_ready(self.checkpoint.store.source(s.name) for s in self.checkpoint.shards)
+        if inspect.isawaitable(self._dest):
+            self._dest = await self._dest
         args = (
             self.checkpoint,
             self._names,

@@ -770,3 +770,39 @@ async def test_a_sharded_load_starts_no_thread_of_the_event_loops_own(
     started = {t.name for t in threading.enumerate()} - before
     assert row["tensors"] == len(target.state_dict())
     assert not [name for name in started if name.startswith("asyncio_")], started
+
+
+async def test_the_built_in_loaders_walk_runs_on_a_thread_beside_the_checkpoints_open(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The walk over the model (a thread) and the open of the checkpoint (the loop) overlap: the
+    walk here waits for the open to end, which it could not do were they one after the other. An
+    open that fails first leaves no walk behind (``no_leaks``), and the open's error is raised."""
+    from aload import checkpoint
+    from aload.install import Loader
+
+    tensors = {"w": torch.ones(4, 4)}
+    path = write(tensors)
+    opened, seen = threading.Event(), []
+    real_layout, real_dests = checkpoint._read_layout, Loader.destinations
+
+    async def read_layout(*args: Any) -> Any:
+        try:
+            return await real_layout(*args)
+        finally:
+            opened.set()
+
+    def destinations(self: Loader, model: nn.Module, device: torch.device) -> Any:
+        seen.append((threading.current_thread() is threading.main_thread(), opened.wait(5.0)))
+        return real_dests(self, model, device)
+
+    monkeypatch.setattr(checkpoint, "_read_layout", read_layout)
+    monkeypatch.setattr(Loader, "destinations", destinations)
+    model = nn.Module()
+    model.register_parameter("w", nn.Parameter(torch.zeros(4, 4), requires_grad=False))
+    report = await aload.load(model, path)
+    assert seen == [(False, True)] and torch.equal(model.w, tensors["w"])
+    assert report.direct_bytes == tensors["w"].nbytes  # read straight in: the walk's destinations were used
+    opened.clear()
+    with pytest.raises(aload.SourceError, match="no such file"):
+        await aload.load(model, tmp_path / "missing")

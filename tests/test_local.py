@@ -279,7 +279,7 @@ async def test_a_warm_load_into_parameters_makes_no_torch_op_or_fstat_per_unit_o
     """Each torch op and each system call on the event loop lets go of the GIL and waits to take
     it back while the read threads copy (~0.3 ms a unit read into a parameter, ~70 us a run of
     small tensors here): units read straight into parameters, and runs of small ones from the
-    page cache, take neither on the loop."""
+    page cache, take neither on the loop (the file's open does, once)."""
     tensors = {f"w{i}": torch.full((384, 1024), float(i)) for i in range(6)}  # 1.5 MiB: own units
     tensors |= {f"n{i}": torch.full((64,), float(i)) for i in range(40)}  # runs of small ones
     tensors["big"] = torch.ones(5 << 20)  # 20 MiB
@@ -306,7 +306,7 @@ async def test_a_warm_load_into_parameters_makes_no_torch_op_or_fstat_per_unit_o
     monkeypatch.undo()
     assert report.direct_bytes == sum(t.nbytes for t in tensors.values())
     assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
-    assert on_loop == []
+    assert on_loop == ["fstat"]  # once per file: opened on the loop to read its header from the page cache
 
 
 def test_a_byte_view_writes_into_its_tensor_and_keeps_it_alive() -> None:
@@ -798,29 +798,43 @@ async def test_a_view_partly_evicted_has_its_missing_pages_asked_for_before_its_
     assert (spec.start, spec.nbytes) in asked
 
 
-async def test_whether_each_shard_is_cached_is_worked_out_off_the_event_loop(
-    sharded: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("cachestat", [True, False], ids=["cachestat", "mincore"])
+async def test_whether_each_shard_is_cached_is_worked_out_once_and_never_mapped_on_the_event_loop(
+    sharded: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, cachestat: bool
 ) -> None:
-    """Mapping a shard and asking ``mincore`` about all of it happen on a read thread, once per
-    shard however many reads ask at once (on the loop: 3-9 ms of lateness per shard)."""
+    """Each shard's page cache is looked at once however many reads ask at once: by ``cachestat``
+    right on the loop within its budget (``LocalSource._look_now``), else on a read thread; mapping
+    a shard and asking ``mincore`` about all of it (3-9 ms of lateness per shard on the loop)
+    happen on a read thread only."""
     tensors = {f"layers.{i}.w": torch.full((64, 1024), float(i)) for i in range(8)}
     folder = sharded(tensors, 4)
-    decided: list[tuple[str, bool]] = []
-    real = LocalSource._cached
+    if cachestat:
+        needs_cachestat(next(folder.glob("*.safetensors")))
+    else:  # the kernel refuses it: mincore over a mapping
+        monkeypatch.setattr(pagecache, "window_pages", lambda *a, **k: None)
+    decided: list[tuple[str, str]] = []
+    real, real_now = LocalSource._cached, LocalSource._look_now
 
     def cached(self: LocalSource) -> bool:
         if self._warm is None:
-            decided.append((self.url, threading.current_thread() is threading.main_thread()))
+            decided.append((self.url, "loop" if threading.current_thread() is threading.main_thread() else "thread"))
         return real(self)
 
+    def look_now(self: LocalSource) -> bool:
+        done = real_now(self)
+        if done:
+            decided.append((self.url, "now"))
+        return done
+
     monkeypatch.setattr(LocalSource, "_cached", cached)
-    got = {}
+    monkeypatch.setattr(LocalSource, "_look_now", look_now)
     async with aload.stream(folder) as s:
-        async for name, t in s:
-            got[name] = t.clone()
+        got = await collect(s)
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
     assert len(decided) == 4 and len({u for u, _ in decided}) == 4  # each shard once
-    assert not any(on_loop for _, on_loop in decided), decided
+    assert "loop" not in {how for _, how in decided}, decided
+    # Four small shards: the loop's budget holds the first look at least.
+    assert ("now" in {how for _, how in decided}) == cachestat
 
 
 def test_the_page_cache_is_sampled_at_each_windows_end(write: Callable[..., Path]) -> None:
@@ -1532,3 +1546,78 @@ async def test_a_stretch_on_disk_lets_the_cached_units_behind_it_be_read_meanwhi
         assert any(waited)
     else:
         assert not any(waited)
+
+
+def test_a_read_that_must_not_wait_takes_only_what_the_page_cache_holds(tmp_path: Path) -> None:
+    """``read_cached`` (``RWF_NOWAIT``) fills the buffer from the page cache or says it cannot:
+    never a read past the file's end, never a wait for the disk."""
+    path = tmp_path / "f.bin"
+    data = os.urandom(1 * MiB)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(len(data))
+        if not _syscalls.read_cached(fd, memoryview(buf), 0):
+            pytest.skip("RWF_NOWAIT not taken here")
+        assert buf == data
+        assert not _syscalls.read_cached(fd, memoryview(bytearray(len(data) + 1)), 0)  # past the end
+        drop_cache(path)
+        if resident(path, 512 << 10, 576 << 10) > 0:
+            pytest.skip("the page cache kept the file")
+        assert not _syscalls.read_cached(fd, memoryview(bytearray(64 << 10)), 512 << 10)
+    finally:
+        os.close(fd)
+
+
+async def test_the_loop_budget_allows_work_for_a_while_each_turn() -> None:
+    budget = _threads.LoopBudget()
+    assert budget.allows()
+    time.sleep(_threads.PAUSE_AFTER_S * 1.5)  # work on the loop, in the same turn
+    assert not budget.allows()
+    await asyncio.sleep(0)  # the next turn
+    assert budget.allows()
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+async def test_an_index_and_headers_are_read_on_the_loop_only_from_the_page_cache(
+    sharded: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, warm: bool
+) -> None:
+    """A checkpoint's index and headers in the page cache are read right on the event loop (a trip
+    to a read thread cost 1-7 ms before a load's first read); not there, on a read thread, so the
+    loop never waits for the disk."""
+    tensors = {f"layers.{i}.w": torch.full((64, 1024), float(i)) for i in range(8)}
+    folder = sharded(tensors, 4)
+    files = sorted(folder.iterdir())
+    for f in files:
+        f.read_bytes() if warm else drop_cache(f)
+    if not warm and any(cached(f) for f in files):
+        pytest.skip("the page cache kept a file")
+    probe = os.open(files[0], os.O_RDONLY)
+    try:
+        if not _syscalls.read_cached(probe, memoryview(bytearray(8)), 0) and warm:
+            pytest.skip("RWF_NOWAIT not taken here")
+    finally:
+        os.close(probe)
+    on_thread: list[str] = []
+    real_head, real_small = LocalSource._head, local._small_cached
+
+    def head(self: LocalSource, probe: int) -> tuple[int, bytes]:
+        assert threading.current_thread() is not threading.main_thread()
+        on_thread.append(os.path.basename(self.url))
+        return real_head(self, probe)
+
+    def small(path: str, limit: int) -> bytes | None:
+        got = real_small(path, limit)
+        if got is None:
+            on_thread.append(os.path.basename(path))
+        return got
+
+    monkeypatch.setattr(LocalSource, "_head", head)
+    monkeypatch.setattr(local, "_small_cached", small)
+    async with aload.stream(folder) as s:
+        got = await collect(s)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    if warm:  # the first header at least within the loop's budget
+        assert "model.safetensors.index.json" not in on_thread and len(on_thread) < 4, on_thread
+    else:
+        assert sorted(on_thread) == sorted(f.name for f in files), on_thread
