@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -772,14 +773,20 @@ async def test_a_sharded_load_starts_no_thread_of_the_event_loops_own(
     assert not [name for name in started if name.startswith("asyncio_")], started
 
 
+@pytest.mark.parametrize("beside", [True, False], ids=["small-model", "large-model"])
 async def test_the_built_in_loaders_walk_runs_on_a_thread_beside_the_checkpoints_open(
-    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, beside: bool
 ) -> None:
-    """The walk over the model (a thread) and the open of the checkpoint (the loop) overlap: the
-    walk here waits for the open to end, which it could not do were they one after the other. An
-    open that fails first leaves no walk behind (``no_leaks``), and the open's error is raised."""
-    from aload import checkpoint
+    """The walk over a small model (a thread) and the open of the checkpoint (the loop) overlap: the
+    walk here waits for the open to end, which it could not do were they one after the other; a
+    model of more than ``WALK_BESIDE_MODULES`` modules is walked first (two threads running Python
+    at once make the loop late). An open that fails first leaves no walk behind (``no_leaks``), and
+    the open's error is raised."""
+    from aload import checkpoint, loader
     from aload.install import Loader
+
+    if not beside:
+        monkeypatch.setattr(loader, "WALK_BESIDE_MODULES", 0)
 
     tensors = {"w": torch.ones(4, 4)}
     path = write(tensors)
@@ -793,7 +800,7 @@ async def test_the_built_in_loaders_walk_runs_on_a_thread_beside_the_checkpoints
             opened.set()
 
     def destinations(self: Loader, model: nn.Module, device: torch.device) -> Any:
-        seen.append((threading.current_thread() is threading.main_thread(), opened.wait(5.0)))
+        seen.append((threading.current_thread() is threading.main_thread(), opened.wait(5.0 if beside else 0)))
         return real_dests(self, model, device)
 
     monkeypatch.setattr(checkpoint, "_read_layout", read_layout)
@@ -801,8 +808,36 @@ async def test_the_built_in_loaders_walk_runs_on_a_thread_beside_the_checkpoints
     model = nn.Module()
     model.register_parameter("w", nn.Parameter(torch.zeros(4, 4), requires_grad=False))
     report = await aload.load(model, path)
-    assert seen == [(False, True)] and torch.equal(model.w, tensors["w"])
+    assert seen == [(False, beside)] and torch.equal(model.w, tensors["w"])
     assert report.direct_bytes == tensors["w"].nbytes  # read straight in: the walk's destinations were used
     opened.clear()
     with pytest.raises(aload.SourceError, match="no such file"):
         await aload.load(model, tmp_path / "missing")
+
+
+async def test_a_load_cancelled_during_a_long_walk_leaves_no_thread(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aload import loader
+    from aload.install import Loader
+
+    monkeypatch.setattr(loader, "WALK_BESIDE_MODULES", 0)  # walked first
+    walking, real = threading.Event(), Loader.destinations
+
+    def destinations(self: Loader, model: nn.Module, device: torch.device) -> Any:
+        walking.set()
+        time.sleep(0.2)
+        return real(self, model, device)
+
+    monkeypatch.setattr(Loader, "destinations", destinations)
+    path = write({"w": torch.ones(4, 4)})
+    model = nn.Module()
+    model.register_parameter("w", nn.Parameter(torch.zeros(4, 4), requires_grad=False))
+    task = asyncio.ensure_future(aload.load(model, path))
+    while not walking.is_set():
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not any(t.name == "aload-worker" and t.is_alive() for t in threading.enumerate())
+    assert torch.equal(model.w, torch.zeros(4, 4))
