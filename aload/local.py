@@ -411,14 +411,19 @@ class LocalSource(Source):
 
     def _look_now(self) -> bool:
         """The page cache looked at right here, for a file of up to ``INLINE_LOOK_BYTES`` already
-        open, within the loop's budget: the look itself took 0.4-0.6 ms for 1 GB, the trip to a
+        open, within the loop's budget (a file read without its mapping needs no look): the look itself took 0.4-0.6 ms for 1 GB, the trip to a
         read thread 3.5-6 ms at a load's start (a thread started, then a core shared with the
         threads of torch's last parallel operation, which spin a while before they sleep)."""
         size = self._size
-        if size is None or not 0 < size <= INLINE_LOOK_BYTES or not self.can_map or not self._budget.allows():
+        if size is None:
             return False
-        assert self._fd is not None
-        residency = Residency.look_now(self._fd, size)
+        if not (self.can_map and size > 0):
+            residency: Residency | None = Residency(False)  # nothing mapped to look at (``_cached``)
+        elif size > INLINE_LOOK_BYTES or not self._budget.allows():
+            return False
+        else:
+            assert self._fd is not None
+            residency = Residency.look_now(self._fd, size)
         if residency is None:
             return False
         self._residency = residency

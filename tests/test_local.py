@@ -1621,3 +1621,15 @@ async def test_an_index_and_headers_are_read_on_the_loop_only_from_the_page_cach
         assert "model.safetensors.index.json" not in on_thread and len(on_thread) < 4, on_thread
     else:
         assert sorted(on_thread) == sorted(f.name for f in files), on_thread
+
+
+async def test_a_file_read_without_its_mapping_is_decided_without_a_thread(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``read="pread"`` maps nothing, so nothing is looked at: no trip to a read thread for it."""
+    tensors = {f"w{i}": torch.full((256, 256), float(i)) for i in range(4)}
+    path = write(tensors)
+    monkeypatch.setattr(LocalSource, "_cached", lambda self: pytest.fail("a trip to decide"))
+    async with aload.stream(path, read="pread") as s:
+        got = await collect(s)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
