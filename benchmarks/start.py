@@ -4,7 +4,7 @@ thread that started it, and the whole load, for aload (built-in and through ``lo
 against the ``safe_open`` loop, alternating, each load in a process of its own as in the suite.
 
     python benchmarks/start.py CHECKPOINT_DIR [--loaders aload,aload_lw,safe_open] [--rounds 8]
-        [--cold] [--nap S] [--tree DIR ...] [--json FILE]
+        [--cold | --partial] [--nap S] [--tree DIR ...] [--json FILE]
 
 ``--tree DIR`` adds aload from another tree (a folder holding an ``aload/`` package, such as
 ``git archive REF aload | tar -x -C DIR``) as loaders of their own (``aload@DIR``), for an A/B of
@@ -42,13 +42,15 @@ if os.environ.get(TREE_ENV):
     sys.path.insert(0, os.environ[TREE_ENV])
 
 
-def run_child(loader: str, folder: Path, cold: bool, nap: float) -> dict[str, Any]:
+def run_child(loader: str, folder: Path, cold: bool, nap: float, partial: bool = False) -> dict[str, Any]:
     import aload  # before the suite, which puts this tree first on the path
-    from benchmarks.suite import drop_cache, engine_and_peer, preallocated_model, shards, warm_cache
+    from benchmarks.suite import drop_cache, engine_and_peer, evict_head, preallocated_model, shards, warm_cache
 
     model, params = preallocated_model(folder)
     gc.collect()
     drop_cache(folder) if cold else warm_cache(folder)
+    if partial:
+        evict_head(folder)
     time.sleep(nap)
     from aload.bench import Probe
 
@@ -95,13 +97,14 @@ def run_child(loader: str, folder: Path, cold: bool, nap: float) -> dict[str, An
     return asyncio.run(main())
 
 
-def child(label: str, folder: Path, cold: bool, nap: float) -> dict[str, Any]:
+def child(label: str, folder: Path, cold: bool, nap: float, partial: bool = False) -> dict[str, Any]:
     loader, _, tree = label.partition(AT)
     env = {k: v for k, v in os.environ.items() if k != TREE_ENV}
     if tree:
         env[TREE_ENV] = tree
     cmd = [sys.executable, str(Path(__file__).resolve()), str(folder), "--child", loader, "--nap", str(nap)]
-    out = subprocess.run(cmd + (["--cold"] if cold else []), env=env, capture_output=True, text=True, check=False)
+    cmd += (["--cold"] if cold else []) + (["--partial"] if partial else [])
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{label}: {out.stderr[-2000:]}")
     row: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -122,13 +125,16 @@ def main() -> None:
     ap.add_argument("--loaders", default="aload,aload_lw,safe_open", help="aload, aload_lw, or a suite peer")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--cold", action="store_true", help="drop the checkpoint from the page cache before each load")
+    ap.add_argument(
+        "--partial", action="store_true", help="warm, then the first 10%% of each shard dropped, as the suite's"
+    )
     ap.add_argument("--nap", type=float, default=0.0, help="seconds between building the model and the load")
     ap.add_argument("--tree", action="append", default=[], help="also aload from this tree (repeatable)")
     ap.add_argument("--json", type=Path, help="write every load's row here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(run_child(a.child, a.folder, a.cold, a.nap)))
+        print(json.dumps(run_child(a.child, a.folder, a.cold, a.nap, a.partial)))
         return
     labels = a.loaders.split(",")
     for tree in a.tree:
@@ -136,9 +142,11 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for r in range(a.rounds):
         for label in labels if r % 2 == 0 else labels[::-1]:
-            rows.append(child(label, a.folder, a.cold, a.nap))
+            rows.append(child(label, a.folder, a.cold, a.nap, a.partial))
         print(f"round {r + 1} of {a.rounds}", file=sys.stderr, flush=True)
-    print(f"{a.folder}, {'cold' if a.cold else 'warm'}, {a.rounds} rounds; median (min-max), ms from the call")
+    print(
+        f"{a.folder}, {'cold' if a.cold else 'partly evicted' if a.partial else 'warm'}, {a.rounds} rounds; median (min-max), ms from the call"
+    )
     cols = ["ms", "opened_ms", "planned_ms", "first_ms", "loop_start_ms", "loop_lag_p99_ms"]
     print("| loader | load | opened | planned | first tensor | thread starts on the loop | loop lag p99 |")
     print("|---|---|---|---|---|---|---|")
