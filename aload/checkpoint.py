@@ -262,11 +262,9 @@ async def _read_shards(store: Store, names: list[str], ahead: ReadAhead | None =
 
 
 async def _read_head(store: Store, name: str) -> tuple[Source, int, bytes]:
-    """The shard's source, its size and its header's JSON bytes (checked against the size), read
-    right here where that needs no wait (``Source.head_cached``)."""
+    """The shard's source, its size and its header's JSON bytes (checked against the size)."""
     src = store.source(name)
-    got = src.head_cached(HEADER_PROBE_BYTES)
-    size, head = got if got is not None else await src.head(HEADER_PROBE_BYTES)
+    size, head = await src.head(HEADER_PROBE_BYTES)
     n = header_length(head, size, src.url)
     raw = head[8 : 8 + n]
     if len(raw) < n:

@@ -206,17 +206,16 @@ class LocalSource(Source):
         return self._size
 
     async def head(self, probe: int) -> tuple[int, bytes]:
-        return await self._pool.run(self._head, probe)  # open, size and read: one trip to a thread
-
-    def head_cached(self, probe: int) -> tuple[int, bytes] | None:
-        # Opened and read right here where the bytes sit in the page cache: a trip to a read
-        # thread cost 1-7 ms before a load's first read (see ``_small_cached``).
-        if not self._budget.allows():
-            return None
-        self._open()
-        assert self._fd is not None and self._size is not None
-        buf = bytearray(min(self._size, probe))
-        return (self._size, bytes(buf)) if read_cached(self._fd, memoryview(buf), 0) else None
+        # Opened and read right here where the bytes sit in the page cache, within the loop's
+        # budget: a trip to a read thread cost 1-7 ms before a load's first read (see
+        # ``_small_cached``). Else open, size and read in one trip to a thread.
+        if self._budget.allows():
+            self._open()
+            assert self._fd is not None and self._size is not None
+            buf = bytearray(min(self._size, probe))
+            if read_cached(self._fd, memoryview(buf), 0):
+                return self._size, bytes(buf)
+        return await self._pool.run(self._head, probe)
 
     def _head(self, probe: int) -> tuple[int, bytes]:
         self._open()

@@ -161,11 +161,6 @@ class Source(ABC):
         await self.readinto(offset, memoryview(buf))
         return bytes(buf)
 
-    def head_cached(self, probe: int) -> tuple[int, bytes] | None:
-        """``head``'s answer where it can be had at once, without waiting (a local file in the
-        page cache), else None."""
-        return None
-
     async def head(self, probe: int) -> tuple[int, bytes]:
         """The object's size and its first ``probe`` bytes (all of it, if it is shorter)."""
         size = await self.size()

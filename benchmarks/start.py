@@ -42,15 +42,13 @@ if os.environ.get(TREE_ENV):
     sys.path.insert(0, os.environ[TREE_ENV])
 
 
-def run_child(loader: str, folder: Path, cold: bool, nap: float, partial: bool = False) -> dict[str, Any]:
+def run_child(loader: str, folder: Path, scenario: str, nap: float) -> dict[str, Any]:
     import aload  # before the suite, which puts this tree first on the path
-    from benchmarks.suite import drop_cache, engine_and_peer, evict_head, preallocated_model, shards, warm_cache
+    from benchmarks.suite import engine_and_peer, preallocated_model, set_page_cache, shards
 
     model, params = preallocated_model(folder)
     gc.collect()
-    drop_cache(folder) if cold else warm_cache(folder)
-    if partial:
-        evict_head(folder)
+    set_page_cache(folder, scenario)
     time.sleep(nap)
     from aload.bench import Probe
 
@@ -97,13 +95,13 @@ def run_child(loader: str, folder: Path, cold: bool, nap: float, partial: bool =
     return asyncio.run(main())
 
 
-def child(label: str, folder: Path, cold: bool, nap: float, partial: bool = False) -> dict[str, Any]:
+def child(label: str, folder: Path, scenario: str, nap: float) -> dict[str, Any]:
     loader, _, tree = label.partition(AT)
     env = {k: v for k, v in os.environ.items() if k != TREE_ENV}
     if tree:
         env[TREE_ENV] = tree
     cmd = [sys.executable, str(Path(__file__).resolve()), str(folder), "--child", loader, "--nap", str(nap)]
-    cmd += (["--cold"] if cold else []) + (["--partial"] if partial else [])
+    cmd += ["--scenario", scenario]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{label}: {out.stderr[-2000:]}")
@@ -124,17 +122,26 @@ def main() -> None:
     ap.add_argument("folder", type=Path)
     ap.add_argument("--loaders", default="aload,aload_lw,safe_open", help="aload, aload_lw, or a suite peer")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--cold", action="store_true", help="drop the checkpoint from the page cache before each load")
-    ap.add_argument(
-        "--partial", action="store_true", help="warm, then the first 10%% of each shard dropped, as the suite's"
+    cache = ap.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--cold", dest="scenario", action="store_const", const="cold", help="the checkpoint dropped from the page cache"
     )
+    cache.add_argument(
+        "--partial",
+        dest="scenario",
+        action="store_const",
+        const="partial",
+        help="warm, then the first 10%% of each shard dropped, as the suite's",
+    )
+    ap.add_argument("--scenario", help=argparse.SUPPRESS)  # the child's
+    ap.set_defaults(scenario="warm")
     ap.add_argument("--nap", type=float, default=0.0, help="seconds between building the model and the load")
     ap.add_argument("--tree", action="append", default=[], help="also aload from this tree (repeatable)")
     ap.add_argument("--json", type=Path, help="write every load's row here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(run_child(a.child, a.folder, a.cold, a.nap, a.partial)))
+        print(json.dumps(run_child(a.child, a.folder, a.scenario, a.nap)))
         return
     labels = a.loaders.split(",")
     for tree in a.tree:
@@ -142,11 +149,9 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for r in range(a.rounds):
         for label in labels if r % 2 == 0 else labels[::-1]:
-            rows.append(child(label, a.folder, a.cold, a.nap, a.partial))
+            rows.append(child(label, a.folder, a.scenario, a.nap))
         print(f"round {r + 1} of {a.rounds}", file=sys.stderr, flush=True)
-    print(
-        f"{a.folder}, {'cold' if a.cold else 'partly evicted' if a.partial else 'warm'}, {a.rounds} rounds; median (min-max), ms from the call"
-    )
+    print(f"{a.folder}, {a.scenario}, {a.rounds} rounds; median (min-max), ms from the call")
     cols = ["ms", "opened_ms", "planned_ms", "first_ms", "loop_start_ms", "loop_lag_p99_ms"]
     print("| loader | load | opened | planned | first tensor | thread starts on the loop | loop lag p99 |")
     print("|---|---|---|---|---|---|---|")

@@ -217,6 +217,14 @@ def warm_cache(folder: Path) -> float:
 # -- one run, in its own process --------------------------------------------------------------------
 
 
+def set_page_cache(folder: Path, scenario: str) -> None:
+    """The checkpoint's pages as ``scenario`` says: all in the page cache ("warm"), none ("cold"),
+    or all but the first 10% of each shard ("partial")."""
+    drop_cache(folder) if scenario == "cold" else warm_cache(folder)
+    if scenario == "partial":
+        evict_head(folder)
+
+
 def peer_iterator(loader: str, files: list[str], runai_concurrency: int | None) -> Iterator[tuple[str, Any]]:
     """The peers, written as the engines use them."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -319,9 +327,7 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
     # The page cache is set up here, after the model is allocated: warmed before, an 8 GiB
     # checkpoint's pages (read once, so first in line) were partly evicted to make room for the
     # 8 GiB model, and "warm" runs were part cold (all loaders ~7 GB/s instead of ~10).
-    drop_cache(folder) if scenario == "cold" else warm_cache(folder)
-    if scenario == "partial":
-        evict_head(folder)
+    set_page_cache(folder, scenario)
     cached = cached_share(str(folder))  # cachestat; None where the kernel refuses it
     first: list[float] = []
     engine, blocking = engine_and_peer(params, loader, files, runai_concurrency, first)
