@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from ._pool import ReadThreads
 from ._threads import read_cores, read_nice, run_in_thread, start_read_thread
 from .errors import UsageError
 
@@ -266,7 +267,7 @@ class IOPool:
         self.threads = threads
         self._nice = read_nice()  # each thread's priority below the process's (``READ_NICE``)
         self._cores = read_cores(threads) if pin else None  # each thread's core (``read_cores``)
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: ReadThreads | None = None
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._starting: asyncio.Future[None] | None = None
 
@@ -281,20 +282,11 @@ class IOPool:
         await asyncio.shield(self._starting)
 
     def _start_all(self) -> None:
-        # Tasks that wait for each other cannot share a thread, so each submit starts one.
-        ex, everyone = self.executor(), threading.Barrier(self.threads + 1)
-        for _ in range(self.threads):
-            ex.submit(everyone.wait, 10.0)
-        try:
-            everyone.wait(10.0)
-        except threading.BrokenBarrierError:  # a thread took 10 s to start: it still will
-            pass
+        self.executor().start_all()
 
-    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+    def executor(self) -> ReadThreads:
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                self.threads, "aload-io", initializer=start_read_thread, initargs=(self._nice, self._cores)
-            )
+            self._executor = ReadThreads(self.threads, "aload-io", start_read_thread, (self._nice, self._cores))
         return self._executor
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

@@ -6,6 +6,7 @@ machine's filesystem; the file is made cold with fsync + POSIX_FADV_DONTNEED."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import gc
@@ -1056,6 +1057,62 @@ async def test_run_all_goes_through_its_calls_on_a_few_workers_and_drops_the_res
     finally:
         gate.set()
         await pool.aclose()
+
+
+async def test_a_pools_threads_after_its_first_are_started_by_the_pool_not_by_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Thread.start`` waits for the new thread to run, which took the loop 2-9 ms where the cores
+    and the GIL were busy. The loop starts a pool's first thread; once the first call's result is
+    out, that thread starts the others, so later calls find them there."""
+    starts: list[tuple[str, bool]] = []  # (starting thread, a result out already)
+    real_start, real_set_result = threading.Thread.start, concurrent.futures.Future.set_result
+    out = threading.Event()
+
+    def start(t: threading.Thread) -> None:
+        if t.name.startswith("aload-io"):
+            starts.append((threading.current_thread().name, out.is_set()))
+        real_start(t)
+
+    def set_result(fut: concurrent.futures.Future[Any], result: Any) -> None:
+        real_set_result(fut, result)
+        out.set()
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    monkeypatch.setattr(concurrent.futures.Future, "set_result", set_result)
+    pool, all_three = IOPool(3), threading.Barrier(3)
+    try:
+        assert await pool.run(lambda: 1) == 1
+        await asyncio.gather(*(pool.run(all_three.wait, 5) for _ in range(3)))  # three at once
+    finally:
+        await pool.aclose()
+    loop_thread = threading.current_thread().name
+    assert starts[0] == (loop_thread, False)
+    assert len(starts) == 3 and all(who.startswith("aload-io") and done for who, done in starts[1:]), starts
+
+
+async def test_a_pool_whose_first_call_runs_on_still_starts_a_thread_for_the_next() -> None:
+    """Calls that wait for each other cannot share a thread: while the first call runs, the next
+    one starts a thread where it is submitted, as ``ThreadPoolExecutor`` does, and never waits."""
+    pool = IOPool(2)
+    both = threading.Barrier(2)
+    try:
+        await asyncio.gather(pool.run(both.wait, 5), pool.run(both.wait, 5))
+    finally:
+        await pool.aclose()
+
+
+def test_a_pool_left_unclosed_lets_its_threads_go() -> None:
+    """Its threads hold it weakly: collected, it wakes them and they end."""
+    pool = IOPool(2)
+    assert pool.executor().submit(lambda: 2).result(5) == 2
+    threads = [t for t in threading.enumerate() if t.name.startswith("aload-io")]
+    assert threads
+    del pool
+    gc.collect()
+    for t in threads:
+        t.join(5)
+        assert not t.is_alive()
 
 
 async def _thread_cores(pool: IOPool) -> list[list[int]]:
