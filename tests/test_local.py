@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 import aload
-from aload import _syscalls, _threads, local, mapping, pagecache, warmcopy
+from aload import _syscalls, _threads, local, mapping, pagecache, reader, warmcopy
 from aload._syscalls import all_cached, libc, window_pages
 from aload.arena import byte_view
 from aload.direct import DIRECT_PIECE_BYTES, DirectFile
@@ -1198,6 +1198,58 @@ async def test_a_pool_starts_all_its_threads_from_another_pool() -> None:
         await helper.aclose()
 
 
+async def test_a_cold_file_comes_into_host_parameters_in_pieces_through_the_reader_s_frames(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bytes on disk bound for a parameter on the CPU: each piece read with ``O_DIRECT`` as the
+    whole blocks around it into one of the reader's page-aligned frames, then copied into its part
+    of the parameter, never through a read thread's bounce buffer (read into the parameter that
+    way, the reads here took ~4 ms each against ~2.7 into a frame: docs/benchmarks.md, stop 51).
+    Tensors start and end mid-block and span several pieces; the budget bounds the frames."""
+    g = torch.Generator().manual_seed(5)
+    tensors = {
+        "a": torch.randn(3, generator=g),
+        "b": torch.randn(2_500_001, generator=g),  # ~10 MB: pieces of 1 MiB under this budget
+        "c": torch.randn(5, generator=g),
+        "d": torch.randn(700_003, generator=g),  # ends the file, not on a block boundary
+    }
+    path = cold(write(tensors))
+    frames: list[tuple[int, int]] = []
+    read_frame = LocalSource.read_frame
+
+    async def counted(self: LocalSource, offset: int, frame: memoryview, need: int) -> None:
+        assert offset % 4096 == 0 and len(frame) % 4096 == 0 and need <= len(frame)
+        assert np.frombuffer(frame, dtype=np.uint8).ctypes.data % 4096 == 0
+        frames.append((np.frombuffer(frame, dtype=np.uint8).ctypes.data, len(frame)))
+        await read_frame(self, offset, frame, need)
+
+    def bounced(*args: Any) -> None:
+        raise AssertionError("read through the bounce buffer")
+
+    monkeypatch.setattr(LocalSource, "read_frame", counted)
+    monkeypatch.setattr(DirectFile, "read_bounced", bounced)
+    model = flat(tensors)
+    report = await aload.load(model, path, max_inflight_bytes=8 * MiB)
+    assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
+    assert report.direct_bytes == sum(t.nbytes for t in tensors.values())  # none through the budget
+    assert len(frames) >= 13  # b's 10 MB and d's 2.8 in pieces of 1 MiB (the budget's eighth)
+    assert max(n for _, n in frames) <= MiB + 4096
+    assert len({addr for addr, _ in frames}) <= reader.THROUGH_FRAMES  # the same few frames, reused
+
+
+async def test_a_cold_file_truncated_under_a_load_into_parameters_fails_naming_it(write: Callable[..., Path]) -> None:
+    tensors = {f"w{i}": torch.randn(1024, 1024) for i in range(4)}  # 4 MiB each: through the frames
+    path = write(tensors)
+    model = flat(tensors)
+    async with aload.open(path) as ckpt:
+        os.truncate(path, os.path.getsize(path) - 100)
+        cold(path)
+        with pytest.raises(aload.SourceError, match="file ended") as info:
+            await aload.load(model, ckpt)
+    assert info.value.url == str(path) and info.value.byte_range is not None
+    assert info.value.byte_range[1] > os.path.getsize(path)
+
+
 async def test_a_cold_file_truncated_under_a_load_names_the_file_and_range(write: Callable[..., Path]) -> None:
     tensors = {f"w{i}": torch.randn(256, 1024) for i in range(4)}  # 1 MiB each: read with O_DIRECT
     path = write(tensors)
@@ -1577,7 +1629,7 @@ async def test_a_stretch_on_disk_lets_the_cached_units_behind_it_be_read_meanwhi
         pytest.skip("the page cache dropped more than asked")
     all_warm_read, warm_read, waited = threading.Event(), [0], []
     deadline: list[float] = []  # one wait of 1 s for all the reads from the disk
-    real_readinto, real_bounced = LocalSource.readinto, DirectFile.read_bounced
+    real_readinto, real_aligned = LocalSource.readinto, DirectFile.read_aligned
 
     async def readinto(self: LocalSource, offset: int, buf: memoryview) -> None:
         await real_readinto(self, offset, buf)
@@ -1586,14 +1638,14 @@ async def test_a_stretch_on_disk_lets_the_cached_units_behind_it_be_read_meanwhi
             if warm_read[0] == warm_n * (16 << 20):
                 all_warm_read.set()
 
-    def read_bounced(self: DirectFile, offset: int, buf: memoryview) -> None:
+    def read_aligned(self: DirectFile, offset: int, buf: memoryview, need: int, wanted: Any = None) -> None:
         if not deadline:
             deadline.append(time.monotonic() + 1.0)
         waited.append(not all_warm_read.wait(max(0.0, deadline[0] - time.monotonic())))
-        real_bounced(self, offset, buf)
+        real_aligned(self, offset, buf, need, wanted)
 
     monkeypatch.setattr(LocalSource, "readinto", readinto)
-    monkeypatch.setattr(DirectFile, "read_bounced", read_bounced)
+    monkeypatch.setattr(DirectFile, "read_aligned", read_aligned)
     model = flat(tensors)
     await aload.load(model, path, chunk_bytes=4 * MiB, concurrency=1, in_order=in_order)
     assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
