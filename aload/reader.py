@@ -52,9 +52,11 @@ RELEASE_TURN_S = 0.0002
 STAGE_PIECE_BYTES = 8 << 20
 STAGE_SLOTS = 4
 #: The reader's frames for pieces read from disk into host parameters (``Reader._read_through``),
-#: each a piece of up to ``STAGE_PIECE_BYTES``: two read into (``concurrency`` on 2 cores) while
-#: others are copied out of. Outside the budget, as the read threads' bounce buffers are.
-THROUGH_FRAMES = 4
+#: each a piece of up to ``STAGE_PIECE_BYTES`` (at most an eighth of the budget each): the read
+#: threads' 1 MiB reads queued across several frames while one is copied out of. Cold 4 and 8 GiB
+#: built-in, 5 rounds: 4 frames 1,351 and 2,881 ms, 6 frames 1,258 and 2,798, 8 frames 1,270 and
+#: 2,785 (docs/benchmarks.md, stop 51).
+THROUGH_FRAMES = 6
 #: How often a piece waiting to be reused asks whether its copy to the GPU has completed.
 STAGE_POLL_S = 0.0002
 #: The most bytes of tensors made on the GPU to hand on (``load(weights_on_device=True)``) that
