@@ -191,15 +191,21 @@ def bounce_buffer(n: int) -> tuple[memoryview, int]:
     huge pages, and its address (kept for the thread's life: one per reader thread)."""
     got: tuple[memoryview, int] | None = getattr(_bounce, "buf", None)
     if got is None or len(got[0]) < n:
-        size = -(-n // HUGE) * HUGE
-        m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: no huge pages
-        addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
-        skip = -addr % HUGE
-        if libc is not None:
-            madvise_in_steps(addr + skip, size, MADV_HUGEPAGE)  # refused: 4 KiB pages, as before
-        got = (memoryview(m)[skip : skip + size], addr + skip)
+        got = huge_buffer(n)
         _bounce.buf = got
     return got
+
+
+def huge_buffer(n: int) -> tuple[memoryview, int]:
+    """A fresh buffer of ``n`` bytes rounded up to ``HUGE``, aligned to it and asked to be backed
+    by huge pages (refused: 4 KiB pages), and its address; not faulted in."""
+    size = -(-n // HUGE) * HUGE
+    m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared: no huge pages
+    addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
+    skip = -addr % HUGE
+    if libc is not None:
+        madvise_in_steps(addr + skip, size, MADV_HUGEPAGE)
+    return memoryview(m)[skip : skip + size], addr + skip
 
 
 def map_private(fd: int, size: int, url: str) -> np.ndarray[Any, Any]:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._syscalls import HUGE, huge_buffer
 from ._threads import PAUSE_AFTER_S, hand_back
 from .arena import ARENA, MAPPED, OUTSIDE, Arena, Lease, UnitView, byte_view, host_array, prefault, run_at
 from .direct import ALIGN
@@ -461,48 +462,51 @@ class Reader:
         return unit.dest is not None and not unit.on_device and bool(unit.source.frame_align(unit.start, unit.nbytes))
 
     async def _read_through(self, unit: Unit) -> None:
-        """A unit on disk bound for a host parameter: each piece read as the whole blocks around it
-        into one of the reader's ``THROUGH_FRAMES`` frames (page-aligned: ``O_DIRECT`` straight into
-        it), then copied into its part of the parameter on the helper thread while other pieces
-        are read. Read into the parameter through each read thread's bounce buffer instead (copied
+        """A unit on disk bound for a host parameter, in pieces of a frame's size that start where
+        the file's blocks do (the first from the block the unit starts in): each read whole into one
+        of the reader's ``THROUGH_FRAMES`` frames (``O_DIRECT`` straight into it), then its part of
+        the unit copied into the parameter on the helper thread while other pieces are read. Read into the parameter through each read thread's bounce buffer instead (copied
         out right after each read), the built-in loader came slower cold than ``load_weights``
         into the budget's buffers (1 GB Qwen2.5-0.5B-shaped: ~1.7 GB/s against ~2.6): each
         ``O_DIRECT`` read took ~4 ms against ~2.7 at the same depth; a cold 4 GiB load, 2.2 GB/s
         before against 3.1 this way (docs/benchmarks.md, stop 51). A frame of a cancelled piece
         is dropped: its thread may still be reading into it."""
         assert unit.dest is not None
-        frames = self._frames()
-        dest, piece, n = byte_view(unit.dest), self._stage, unit.nbytes
+        frames, size = self._frames()
+        dest, start, end = byte_view(unit.dest), unit.start, unit.start + unit.nbytes
 
-        async def one(off: int) -> None:
-            size, at = min(piece, n - off), unit.start + off
-            pad = at % ALIGN
+        async def one(at: int) -> None:  # the frame's bytes of the file: [at, at + size)
+            lo, hi = max(at, start), min(at + size, end)
             region = await frames.get()
             try:
-                await unit.source.read_frame(at - pad, region[: -(-(pad + size) // ALIGN) * ALIGN], pad + size)
-                await self._helper.run(_copy, dest[off : off + size], region[pad : pad + size])
+                await unit.source.read_frame(at, region[: -(-(hi - at) // ALIGN) * ALIGN], hi - at)
+                await self._helper.run(_copy, dest[lo - start : hi - start], region[lo - at : hi - at])
             except asyncio.CancelledError:
                 raise  # its thread may still read into or copy out of the frame: not handed out again
             except BaseException:
                 frames.put_nowait(region)
                 raise
             frames.put_nowait(region)
-            self._count_read(size, False)
+            self._count_read(hi - lo, False)
 
-        await asyncio.gather(*(one(off) for off in range(0, n, piece)))
-        self.stats.direct_bytes += n
+        # Pieces where the file's blocks (and the frames' huge pages) begin: each read whole.
+        await asyncio.gather(*(one(at) for at in range(start - start % ALIGN, end, size)))
+        self.stats.direct_bytes += unit.nbytes
 
-    def _frames(self) -> asyncio.Queue[memoryview]:
-        """The frames of ``_read_through``, made at first need. Not faulted in ahead: the first
-        ``O_DIRECT`` read into each faults its pages on a read thread (faulted in on the helper
-        first, 32 MiB of fresh memory held every read back ~0.1 s at a cold load's start)."""
+    def _frames(self) -> tuple[asyncio.Queue[memoryview], int]:
+        """The frames of ``_read_through`` and their size, made at first need, in huge pages: a
+        1 MiB ``O_DIRECT`` read into 4 KiB pages scattered in memory goes to a virtio disk as two
+        requests (254 segments a request). Not faulted in ahead: the first ``O_DIRECT`` read into
+        each faults its pages on a read thread (faulted in on the helper first, 32 MiB of fresh
+        memory held every read back ~0.1 s at a cold load's start)."""
+        size = max(ALIGN, self._stage // ALIGN * ALIGN)
         if self._through is None:
-            stride = -(-(self._stage + ALIGN) // ALIGN) * ALIGN
-            memory = host_array(THROUGH_FRAMES * stride, False)
+            stride = -(-size // HUGE) * HUGE
+            memory, _ = huge_buffer(THROUGH_FRAMES * stride)
             self._through = asyncio.Queue()
             for i in range(THROUGH_FRAMES):
-                self._through.put_nowait(memoryview(memory[i * stride : (i + 1) * stride]))  # type: ignore[arg-type]
-        return self._through
+                self._through.put_nowait(memory[i * stride : i * stride + size])
+        return self._through, size
 
     async def _read(self, unit: Unit, lease: Lease | None) -> None:
         if unit.nbytes == 0:
