@@ -463,9 +463,10 @@ class Reader:
 
     async def _read_through(self, unit: Unit) -> None:
         """A unit on disk bound for a host parameter, in pieces of a frame's size that start where
-        the file's blocks do (the first from the block the unit starts in): each read whole into one
-        of the reader's ``THROUGH_FRAMES`` frames (``O_DIRECT`` straight into it), then its part of
-        the unit copied into the parameter on the helper thread while other pieces are read. Read into the parameter through each read thread's bounce buffer instead (copied
+        the file's blocks do (the first from the block the unit starts in): each read whole into
+        one of the reader's ``THROUGH_FRAMES`` frames (``O_DIRECT`` straight into it), then its
+        part of the unit copied into the parameter on the helper thread while other pieces are
+        read. Read into the parameter through each read thread's bounce buffer instead (copied
         out right after each read), the built-in loader came slower cold than ``load_weights``
         into the budget's buffers (1 GB Qwen2.5-0.5B-shaped: ~1.7 GB/s against ~2.6): each
         ``O_DIRECT`` read took ~4 ms against ~2.7 at the same depth; a cold 4 GiB load, 2.2 GB/s

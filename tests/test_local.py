@@ -1201,8 +1201,8 @@ async def test_a_pool_starts_all_its_threads_from_another_pool() -> None:
 async def test_a_cold_file_comes_into_host_parameters_in_pieces_through_the_reader_s_frames(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Bytes on disk bound for a parameter on the CPU: each piece read with ``O_DIRECT`` as the
-    whole blocks around it into one of the reader's page-aligned frames, then copied into its part
+    """Bytes on disk bound for a parameter on the CPU: each piece read with ``O_DIRECT``, from where
+    the file's blocks begin, into one of the reader's page-aligned frames, then copied into its part
     of the parameter, never through a read thread's bounce buffer (read into the parameter that
     way, the reads here took ~4 ms each against ~2.7 into a frame: docs/benchmarks.md, stop 51).
     Tensors start and end mid-block and span several pieces; the budget bounds the frames."""
@@ -1237,29 +1237,24 @@ async def test_a_cold_file_comes_into_host_parameters_in_pieces_through_the_read
     assert len({addr for addr, _ in frames}) <= reader.THROUGH_FRAMES  # the same few frames, reused
 
 
-async def test_a_cold_file_truncated_under_a_load_into_parameters_fails_naming_it(write: Callable[..., Path]) -> None:
-    tensors = {f"w{i}": torch.randn(1024, 1024) for i in range(4)}  # 4 MiB each: through the frames
-    path = write(tensors)
-    model = flat(tensors)
-    async with aload.open(path) as ckpt:
-        os.truncate(path, os.path.getsize(path) - 100)
-        cold(path)
-        with pytest.raises(aload.SourceError, match="file ended") as info:
-            await aload.load(model, ckpt)
-    assert info.value.url == str(path) and info.value.byte_range is not None
-    assert info.value.byte_range[1] > os.path.getsize(path)
-
-
-async def test_a_cold_file_truncated_under_a_load_names_the_file_and_range(write: Callable[..., Path]) -> None:
+@pytest.mark.parametrize("into", ["stream", "parameters"])
+async def test_a_cold_file_truncated_under_a_load_names_the_file_and_range(
+    write: Callable[..., Path], into: str
+) -> None:
+    """Read with O_DIRECT into the budget's buffers (a stream) or through the reader's frames
+    into the model's parameters: either way the error names the file and the range."""
     tensors = {f"w{i}": torch.randn(256, 1024) for i in range(4)}  # 1 MiB each: read with O_DIRECT
     path = write(tensors)
     async with aload.open(path) as ckpt:
         os.truncate(path, os.path.getsize(path) - 100)
         cold(path)
         with pytest.raises(aload.SourceError, match="file ended") as info:
-            async with aload.stream(ckpt) as s:
-                async for _ in s:
-                    pass
+            if into == "parameters":
+                await aload.load(flat(tensors), ckpt)
+            else:
+                async with aload.stream(ckpt) as s:
+                    async for _ in s:
+                        pass
     assert info.value.url == str(path) and info.value.byte_range is not None
     assert info.value.byte_range[1] > os.path.getsize(path)
 
