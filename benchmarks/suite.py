@@ -2,7 +2,7 @@
 
     python benchmarks/suite.py [--sizes 1,4,8] [--many] [--small] [--scenarios warm,cold,partial]
                                [--reps 5] [--loaders all] [--out benchmarks/out] [--ckpt-dir DIR]
-                               [--remote GIB]
+                               [--remote GIB] [--page-cache fresh|as-is]
 
 Generates Llama-shaped bf16 checkpoints (big matrices and small norms, ~2 GiB shards) and, with
 --many, one of 20,000 small tensors; runs every loader on the same checkpoint in a fresh process
@@ -12,7 +12,11 @@ min-max) and PNG plots (throughput per scenario; memory over time for one load o
 Every loader delivers every tensor into a preallocated, already touched model (a ``copy_``, as
 ``load_weights`` does), so lazy loaders are not credited for bytes never touched. Blocking loaders
 run in ``asyncio.to_thread`` inside an asyncio app, as a serving frontend would have to, so the
-event-loop lateness is comparable. Cold = fsync + POSIX_FADV_DONTNEED on every shard before a run;
+event-loop lateness is comparable. Warm = every shard read with ``dd`` before each run; before a
+checkpoint's warm runs it is dropped from the page cache and read once in order (``--page-cache
+fresh``, the default), since how the page cache holds it (2 MiB pages or 4 KiB ones) sets the pace
+of every loader that copies out of a mapping, and the report gives that share (``huge_share``).
+Cold = fsync + POSIX_FADV_DONTNEED on every shard before a run;
 partial = warm, then the first 10% of each shard dropped from the page cache (``--scenarios
 warm,cold,partial``), as on a host where other work evicted part of the checkpoint. ``--remote
 GIB`` also runs ``benchmarks/remote.py`` (HTTP and S3 over loopback, nginx as the origin; it
@@ -187,6 +191,73 @@ def evict_head(folder: Path, share: float = PARTIAL_EVICT) -> None:
         fd = os.open(p, os.O_RDONLY)
         os.posix_fadvise(fd, 0, int(os.fstat(fd).st_size * share), os.POSIX_FADV_DONTNEED)
         os.close(fd)
+
+
+HUGE = 2 << 20
+
+
+def huge_share(folder: Path) -> float | None:
+    """The share of the checkpoint's bytes that the kernel maps in 2 MiB pages (``FilePmdMapped``
+    in ``/proc/self/smaps``) from a private mapping of each shard touched once per 2 MiB: the page
+    cache's large folios. Call it with the checkpoint all in the page cache (a touch reads what
+    is not). None where the kernel does not say.
+
+    It sets the pace of every loader that copies out of a mapping (``safe_open``, ``load_file``,
+    aload through ``load_weights``): a fault and a page-table entry per 2 MiB instead of per
+    4 KiB (or per 64 KiB of fault-around), and as few to drop after. Here the same warm 8 GiB
+    checkpoint went from ~12 GB/s (``load_file``, a third of its bytes so held) to ~23 (97%):
+    docs/benchmarks.md, stop 52. A file written or read in order (``dd``, ``cat``, a mapping's
+    faults) comes into the page cache in 2 MiB folios where memory allows; ``POSIX_FADV_WILLNEED``
+    brings pages in 4 KiB ones."""
+    import mmap
+
+    import numpy as np
+
+    mapped = total = 0
+    for p in shards(folder):
+        size = p.stat().st_size
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        try:
+            arr = np.frombuffer(m, dtype=np.uint8)
+            addr = arr.ctypes.data
+            int(arr[::HUGE].max())  # a touch maps the whole folio it falls in
+            pmd = smaps_field(addr, "FilePmdMapped")
+            del arr
+        finally:
+            m.close()
+        if pmd is None:
+            return None
+        mapped += pmd
+        total += size
+    return mapped / total if total else None
+
+
+def smaps_field(addr: int, field: str) -> int | None:
+    """``field`` (bytes) of this process's mapping that holds ``addr``, from ``/proc/self/smaps``."""
+    inside = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(None, 1)[0]
+                if not head.endswith(":"):
+                    lo, _, hi = head.partition("-")
+                    inside = int(lo, 16) <= addr < int(hi, 16)
+                elif inside and head == field + ":":
+                    return int(line.split()[1]) << 10
+    except OSError:
+        return None
+    return None
+
+
+def fresh_cache(folder: Path) -> None:
+    """The checkpoint dropped from the page cache and read once in order (``dd``): the page cache
+    as a sequential read leaves it, whatever earlier loads (and which loader made them) left."""
+    drop_cache(folder)
+    warm_cache(folder)
 
 
 def preallocated_model(folder: Path, device: str = "cpu") -> tuple[Any, dict[str, Any]]:
@@ -602,6 +673,10 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def _pct(share: float | None) -> str:
+    return "unknown" if share is None else f"{share:.0%}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,4,8", help="GiB, comma separated")
@@ -635,6 +710,14 @@ def main() -> None:
         "--no-settle",
         action="store_true",
         help="no untimed first load before each cold and partial scenario (the first one after a pause ran 3-4x slower)",
+    )
+    ap.add_argument(
+        "--page-cache",
+        choices=("fresh", "as-is"),
+        default="fresh",
+        help="before a checkpoint's warm runs: drop it from the page cache and read it once in order (fresh, "
+        "the default), or keep the page cache as earlier loads left it (as-is); the report gives the share in "
+        "2 MiB pages either way",
     )
     ap.add_argument(
         "--device",
@@ -688,11 +771,16 @@ def main() -> None:
         print(f"runai concurrency sweep (warm, {first.name}): {trials} -> {runai_c}", flush=True)
     rows: list[dict[str, Any]] = []
     dd: dict[str, list[float]] = {}
+    huge: dict[str, list[float | None]] = {}
     for label, folder in ckpts.items():
         warm_cache(folder)
         dd[f"warm {label}"] = [warm_cache(folder) for _ in range(3)]
         for scenario in a.scenarios.split(","):
             name = f"{scenario} {label}"
+            if scenario == "warm":
+                if a.page_cache == "fresh":
+                    fresh_cache(folder)
+                huge[name] = [huge_share(folder)]
             # The first load to read a checkpoint from this VM's disk after a pause ran 3-4x slower
             # than the ones after it, whichever loader it was (safe_open 0.46 then 1.24 GB/s on
             # 1 GB; aload 0.48 then 1.87 on 8 GiB, even after a `cat` of the same files), and it
@@ -717,6 +805,8 @@ def main() -> None:
                         row.pop("mem_trace", None)
                     rows.append(row)
                     print(f"  {name} rep {rep} {loader:>16}: {row['gbps']:.2f} GB/s", flush=True)
+            if scenario == "warm":
+                huge[name].append(huge_share(folder))  # after: whether the runs changed it
     (a.out / "rows.jsonl").write_text(
         "".join(json.dumps({k: v for k, v in r.items() if k != "mem_trace"}) + "\n" for r in rows)
     )
@@ -737,6 +827,11 @@ def main() -> None:
     report += "\n\ndd of the same files (warm; before the runs and before each warm repetition): " + ", ".join(
         f"{k}: {statistics.median(v):.2f} GB/s ({min(v):.2f}-{max(v):.2f})" for k, v in dd.items()
     )
+    if huge:
+        report += (
+            f"\n\nPage cache before and after each warm scenario ({a.page_cache}): share of the checkpoint in 2 MiB pages: "
+            + ", ".join(f"{k}: {' -> '.join(_pct(v) for v in vs)}" for k, vs in huge.items())
+        )
     report += "\n\n" + table(rows) + "\n" + ratios(rows, {k: statistics.median(v) for k, v in dd.items()})
     report += remote
     (a.out / "report.md").write_text(report)
