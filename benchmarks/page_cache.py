@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aload._syscalls import MADV_HUGEPAGE, MADV_POPULATE_READ, libc, madvise_in_steps
+from aload.local import cached_share
 from benchmarks.suite import smaps_field
 
 PIECE = 8 << 20
@@ -60,20 +61,10 @@ def bring_in(way: str, fd: int, size: int) -> None:
         m.close()
 
 
-def settle(fd: int, size: int, timeout: float = 30.0) -> None:
+def settle(path: Path, timeout: float = 30.0) -> None:
     """Wait until the asynchronous ways' reads are in (a mapped touch would read the rest)."""
     deadline = time.perf_counter() + timeout
-    while time.perf_counter() < deadline:
-        m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
-        try:
-            vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
-            addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
-            assert libc is not None
-            libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec)
-            if all(b & 1 for b in vec):
-                return
-        finally:
-            m.close()
+    while time.perf_counter() < deadline and cached_share(str(path)) not in (None, 1.0):
         time.sleep(0.1)
 
 
@@ -111,7 +102,7 @@ def main() -> None:
         for way in ("fadvise", "readahead", "pread", "populate", "populate+huge"):
             drop(fd)
             bring_in(way, fd, size)
-            settle(fd, size)
+            settle(a.file)
             _, faulting, unmap1, pmd = mapped_copy(fd, size, populate=False)
             pop, copy, unmap2, _ = mapped_copy(fd, size, populate=True)
             share = "unknown" if pmd is None else f"{pmd / size:.0%}"

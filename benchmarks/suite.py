@@ -193,9 +193,6 @@ def evict_head(folder: Path, share: float = PARTIAL_EVICT) -> None:
         os.close(fd)
 
 
-HUGE = 2 << 20
-
-
 def huge_share(folder: Path) -> float | None:
     """The share of the checkpoint's bytes that the kernel maps in 2 MiB pages (``FilePmdMapped``
     in ``/proc/self/smaps``) from a private mapping of each shard touched once per 2 MiB: the page
@@ -212,6 +209,8 @@ def huge_share(folder: Path) -> float | None:
     import mmap
 
     import numpy as np
+
+    from aload._syscalls import HUGE
 
     mapped = total = 0
     for p in shards(folder):
