@@ -33,7 +33,7 @@ from ._syscalls import (
 from ._threads import LoopBudget
 from .direct import ALIGN, DIRECT_DEPTH, DIRECT_PIECE_BYTES, O_DIRECT_MIN_BYTES, DirectFile
 from .errors import SourceError, UsageError
-from .mapping import FileMapping, check_length
+from .mapping import FileMapping, Spans, check_length
 from .pagecache import ALL_CACHED, WARM_SHARE, Residency, share_of
 from .sources import IOPool, Source, Store
 from .warmcopy import MAP, PREAD, CopyChoice, copy_mode
@@ -238,11 +238,14 @@ class LocalSource(Source):
             await self._pool.run(pread_into, self._fd, buf, offset, self.url)
         elif cached:
             step = PREAD_STEP_BYTES
-            steps = [(buf[o : o + step], offset + o) for o in range(0, n, step)]
-            if self._share_at(offset, n) < 1.0:  # the pages on disk asked for at once, not step by step
+            spans = Spans(self._map, offset, n) if self._map is not None else None
+            whole = self._share_at(offset, n) == 1.0
+            steps = [(buf[o : o + step], offset + o, whole, spans) for o in range(0, n, step)]
+            if not whole:  # the pages on disk asked for at once, not step by step
                 await self._pool.run(self._prefetch, offset, n)
                 # The cached steps first, while the disk brings the others in.
-                steps.sort(key=lambda s: self._share_at(s[1], len(s[0])) < 1.0)
+                steps = [(b, at, self._share_at(at, len(b)) == 1.0, spans) for b, at, _, _ in steps]
+                steps.sort(key=lambda s: not s[2])
             await self._pool.run_all(self._copy_step, steps)
         else:
             assert self._direct_pool is not None and self._dio is not None  # _direct: opened with O_DIRECT
@@ -251,17 +254,21 @@ class LocalSource(Source):
             pieces = [(offset + o, buf[o : o + step]) for o in range(0, n, step)]
             await self._direct_pool.run_all(self._dio.read_bounced, pieces)
 
-    def _copy_step(self, buf: memoryview, offset: int) -> None:
+    def _copy_step(self, buf: memoryview, offset: int, cached: bool = False, spans: Spans | None = None) -> None:
         """One step of a copy out of the page cache, by ``preadv`` or out of the mapping as the
         load's ``CopyChoice`` says (and timed for it), then this thread's core offered to any
-        thread waiting for one (``PREAD_STEP_BYTES``)."""
+        thread waiting for one (``PREAD_STEP_BYTES``). ``cached``: the step's pages were all
+        in the page cache when the file was first read (``FileMapping.copy_into``); ``spans``
+        lets go of the mapped pages of the read this step is part of."""
         assert self._fd is not None
         m, choice = self._map, self._choice
         way = choice.pick(len(buf)) if m is not None else PREAD
         t = time.perf_counter_ns()
-        if way != MAP or m is None or not m.copy_into(offset, buf):
+        if way != MAP or m is None or not m.copy_into(offset, buf, cached, spans):
             way = PREAD
             pread_into(self._fd, buf, offset, self.url)
+        if spans is not None:  # timed with the step: letting go of the pages is part of the way's cost
+            spans.done(offset, len(buf))
         choice.record(way, len(buf), time.perf_counter_ns() - t)
         os.sched_yield()
 

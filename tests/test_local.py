@@ -653,6 +653,35 @@ async def test_a_large_warm_tensor_can_be_copied_out_of_the_mapping_which_then_l
     assert info.value.url == str(path) and info.value.byte_range == (last, start + n)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_READ is Linux's")
+def test_steps_copied_out_of_the_mapping_let_their_pages_go_a_span_at_a_time(write: Callable[..., Path]) -> None:
+    """Steps copied without a populate, in any order: each span's pages stay mapped until its
+    last step is done (whichever step that is), then go; the bytes are the file's."""
+    path, start = warm_file(write, {"w": torch.ones(10 * 1024, 1024)})  # 40 MiB: two spans of 16, one of 8
+    n, step, span = path.stat().st_size - start, 4 * MiB, 16 * MiB
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        m = mapping.FileMapping(fd, path.stat().st_size, str(path))
+        spans = mapping.Spans(m, start, n, span)
+        dest = torch.zeros(n, dtype=torch.uint8).numpy()
+        order = [o for o in range(0, n, step) if o // span == 1] + [o for o in range(0, n, step) if o // span != 1]
+        before = rss_file()
+        for i, o in enumerate(order):
+            buf = memoryview(dest)[o : o + step]
+            if not m.copy_into(start + o, buf, cached=True, spans=spans):
+                pytest.skip("the kernel cannot populate a mapping")
+            spans.done(start + o, len(buf))
+            if i == 2:  # three of the middle span's four steps: all mapped still
+                assert rss_file() - before >= 3 * step - 2 * 4096
+            if i == 3:  # its last: let go (but for pages it shares with a neighbour at its ends)
+                assert rss_file() - before < 5 * MiB
+        assert rss_file() - before < 5 * MiB
+        assert dest.tobytes() == path.read_bytes()[start:]
+    finally:
+        m.drop()
+        os.close(fd)
+
+
 async def test_a_load_times_both_copies_and_takes_the_faster(write: Callable[..., Path]) -> None:
     """On "auto" the first steps go both ways (concurrent steps different ways), both timed; the
     load then takes the faster, and says which."""
@@ -726,18 +755,20 @@ async def test_a_partly_evicted_warm_tensor_asks_for_its_pages_once_and_a_shrunk
         if not src._in_cache(start, n) or src._share_at(start, n) == 1.0:
             pytest.skip("the page cache kept the range, or dropped more")
         dest[:] = 0
-        steps: list[int] = []
+        steps: list[tuple[int, bool]] = []
         run_all = src._pool.run_all
 
         async def spy(fn: Callable[..., None], args: list[tuple[Any, ...]]) -> None:
-            steps.extend(offset for _, offset in args)
+            steps.extend((offset, whole) for _, offset, whole, _ in args)
             await run_all(fn, args)
 
         src._pool.run_all = spy  # type: ignore[method-assign]
         await src.readinto(start, memoryview(dest))
         assert dest.tobytes() == want and asked == [(start, n)]
-        # The steps in the page cache go first, while the disk brings in the evicted one.
-        assert sorted(steps) == list(range(start, start + n, local.PREAD_STEP_BYTES)) and steps[-1] == start
+        # The steps in the page cache go first, while the disk brings in the evicted one; only
+        # those are copied without a populate first.
+        assert sorted(o for o, _ in steps) == list(range(start, start + n, local.PREAD_STEP_BYTES))
+        assert steps[-1] == (start, False) and all(whole for _, whole in steps[:-1])
     path.read_bytes()
     async with opened(path) as src:
         await src.ready()
