@@ -131,10 +131,11 @@ class Spans:
     go of ``span`` bytes at a time, by the step that finishes a span (its bytes counted whichever
     way the step copied them); the steps are cut from the range's start, ``span`` a multiple of
     theirs. One ``MADV_DONTNEED`` per 8 MiB step cost every other core running the process an
-    interrupt to flush its TLB, the other read thread's included, mid-copy: 4 GiB warm, built-in,
-    in one process (``docs/benchmarks.md``, stop 53), steps unpopulated and released per 64 MiB ran
-    ~9% faster than populated and released per step. A step that fails leaves its span mapped
-    until the file is unmapped, at the load's end."""
+    interrupt to flush its TLB, the other read thread's included, mid-copy. 4 GiB warm, built-in,
+    ``ALOAD_WARM_COPY=map``, in one process, 5 loads each alternating (``docs/benchmarks.md``,
+    stop 53): steps populated first and released per 8 MiB 239 ms a load (median), not populated
+    233, released per 64 MiB 237, both 224 (``load_file`` 190). A step that fails leaves its
+    span mapped until the file is unmapped, at the load's end."""
 
     __slots__ = ("_left", "_lock", "_map", "_n", "_offset", "_span")
 
