@@ -33,7 +33,7 @@ from ._syscalls import (
 from ._threads import LoopBudget
 from .direct import ALIGN, DIRECT_DEPTH, DIRECT_PIECE_BYTES, O_DIRECT_MIN_BYTES, DirectFile
 from .errors import SourceError, UsageError
-from .mapping import FileMapping, Spans, check_length
+from .mapping import RELEASE_SPAN_BYTES, FileMapping, Spans, check_length
 from .pagecache import ALL_CACHED, WARM_SHARE, Residency, share_of
 from .sources import IOPool, Source, Store
 from .warmcopy import MAP, PREAD, CopyChoice, copy_mode
@@ -82,6 +82,7 @@ SCATTER_BELOW_BYTES = 16 << 20
 #: checkpoint (runs of 1-16 MiB tensors scattered in calls of up to 64 MiB), 6 rounds: p99
 #: 5.4-8.3 ms before, 1.7-3.0 after, 0.105 s a load (median) either way.
 PREAD_STEP_BYTES = 8 << 20
+assert RELEASE_SPAN_BYTES % PREAD_STEP_BYTES == 0, "a step lies inside one of ``Spans``'s spans"
 #: Small tensors of a file all in the page cache, without a destination (a model's own
 #: ``load_weights``), are handed out in mapped views of up to this many bytes (at most a quarter of
 #: the budget), not ``chunk_bytes``: nothing is read, and each unit cost the consumer's thread a
