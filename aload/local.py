@@ -241,12 +241,13 @@ class LocalSource(Source):
             step = PREAD_STEP_BYTES
             spans = Spans(self._map, offset, n) if self._map is not None else None
             whole = self._share_at(offset, n) == 1.0
-            steps = [(buf[o : o + step], offset + o, whole, spans) for o in range(0, n, step)]
+            steps = [
+                (buf[o : o + step], offset + o, whole or self._share_at(offset + o, min(step, n - o)) == 1.0, spans)
+                for o in range(0, n, step)
+            ]
             if not whole:  # the pages on disk asked for at once, not step by step
                 await self._pool.run(self._prefetch, offset, n)
-                # The cached steps first, while the disk brings the others in.
-                steps = [(b, at, self._share_at(at, len(b)) == 1.0, spans) for b, at, _, _ in steps]
-                steps.sort(key=lambda s: not s[2])
+                steps.sort(key=lambda s: not s[2])  # the cached steps first, while the disk brings the others in
             await self._pool.run_all(self._copy_step, steps)
         else:
             assert self._direct_pool is not None and self._dio is not None  # _direct: opened with O_DIRECT
@@ -265,7 +266,7 @@ class LocalSource(Source):
         m, choice = self._map, self._choice
         way = choice.pick(len(buf)) if m is not None else PREAD
         t = time.perf_counter_ns()
-        if way != MAP or m is None or not m.copy_into(offset, buf, cached, spans):
+        if way != MAP or m is None or not m.copy_into(offset, buf, cached, release=spans is None):
             way = PREAD
             pread_into(self._fd, buf, offset, self.url)
         if spans is not None:  # timed with the step: letting go of the pages is part of the way's cost

@@ -89,16 +89,16 @@ class FileMapping:
             self._populate_read = False
         return err == 0
 
-    def copy_into(self, offset: int, buf: memoryview, cached: bool = False, spans: Spans | None = None) -> bool:
+    def copy_into(self, offset: int, buf: memoryview, cached: bool = False, release: bool = True) -> bool:
         """Copy the file's bytes at ``offset`` into ``buf`` out of the mapping: its pages mapped
         first (after the length check: touching a page past the end of the file would kill the
         process), then one ``memcpy`` on this thread, then the pages dropped from the process
-        again (by ``spans``, where given, once its span is done). ``cached``: the caller saw every
-        page of the range in the page cache, so none is populated first and the ``memcpy``'s own
-        faults map them, one per 2 MiB page where the page cache holds them so (the populate
-        walked every 4 KiB of them). False, with nothing copied, where the kernel cannot populate:
-        the caller reads them instead. A file cut short after the length check still kills the
-        process, as with any mapped loader."""
+        again (``release=False``: the caller lets go of them, with ``Spans``). ``cached``: the
+        caller saw every page of the range in the page cache, so none is populated first and the
+        ``memcpy``'s own faults map them, one per 2 MiB page where the page cache holds them so
+        (the populate walked every 4 KiB of them). False, with nothing copied, where the kernel
+        cannot populate: the caller reads them instead. A file cut short after the length check
+        still kills the process, as with any mapped loader."""
         if not self._populate_read:
             return False
         arr = self.array()
@@ -108,7 +108,7 @@ class FileMapping:
             return False
         assert libc is not None
         libc.memcpy(np.frombuffer(buf, dtype=np.uint8).ctypes.data, arr.ctypes.data + offset, n)
-        if spans is None:
+        if release:
             self.release(offset, n)
         return True
 

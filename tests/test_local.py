@@ -668,7 +668,7 @@ def test_steps_copied_out_of_the_mapping_let_their_pages_go_a_span_at_a_time(wri
         before = rss_file()
         for i, o in enumerate(order):
             buf = memoryview(dest)[o : o + step]
-            if not m.copy_into(start + o, buf, cached=True, spans=spans):
+            if not m.copy_into(start + o, buf, cached=True, release=False):
                 pytest.skip("the kernel cannot populate a mapping")
             spans.done(start + o, len(buf))
             if i == 2:  # three of the middle span's four steps: all mapped still
