@@ -7,6 +7,11 @@ per pair cost ~5 us of each side's time. The thread hands a unit's tensors out a
 (``__iter__``). The loop is told when the deque has room again (once it is half empty, so a busy
 consumer costs few cross-thread wake-ups) and when the thread is starving, which lets the reader
 tell a consumer that holds tensors from one that is merely slow.
+
+Units read straight into their destinations (the built-in loader's parameters) leave the thread
+nothing to do but take their names: a waiting thread is woken for them only once the deque is
+full, or for the next unit it has work in, or at the end (4 GiB warm, built-in: the thread woken
+~85-110 times a load instead of ~240, its CPU 4-6 ms instead of 9-10; docs/benchmarks.md, stop 54).
 """
 
 from __future__ import annotations
@@ -49,6 +54,13 @@ _END = object()
 _NAME = operator.itemgetter(0)
 
 
+def _in_place(unit: Unit) -> bool:
+    """Whether ``unit``'s tensors were all read straight into their destinations (the built-in
+    loader's parameters), leaving the consumer nothing to do but take their names; not a tensor
+    made on the GPU for a model's own ``load_weights`` (``Unit.handed_off``), which it copies."""
+    return (unit.dest is not None and not unit.handed_off) or (unit.scatter and unit.filled)
+
+
 class LoadCancelled(BaseException):
     """Raised inside ``model.load_weights`` when the load is cancelled; a BaseException so that
     ``except Exception`` in model code does not swallow it."""
@@ -81,6 +93,7 @@ class SyncBridge(Iterator[Pair]):
         self._pump_waiting = False
         self._flush_pending = False
         self._consumer_waiting = False
+        self._held = 0  # units in place put in the deque since the waiting consumer was last woken
         self._done = False
         self._closed = False
         self.error: BaseException | None = None
@@ -121,8 +134,8 @@ class SyncBridge(Iterator[Pair]):
     async def pump(self) -> None:
         reader = self._stream.reader
         if reader is not None:
-            # Waiting, and nothing in the deque it has not woken up to take yet.
-            reader.starving = lambda: self._consumer_waiting and not self._items
+            # Waiting, and nothing in the deque it has been woken up to take (only units held back).
+            reader.starving = lambda: self._consumer_waiting and len(self._items) <= self._held
         items = self._items
         try:
             async for entry in self._entries():
@@ -132,9 +145,14 @@ class SyncBridge(Iterator[Pair]):
                 # that said it waits (it re-checks the deque after saying so: no lost wake-up).
                 items.append(entry)
                 batch = type(entry) is _Batch
+                # A unit already in place is handed over with others (until the deque is full, or
+                # the stream ends): nothing waits on it, and each wake-up cost both threads.
+                hold = batch and _in_place(entry.unit) and len(items) < self._max  # type: ignore[union-attr]
                 del entry
                 if self._consumer_waiting:
-                    if batch or len(items) >= _WAKE_BATCH:
+                    if hold:
+                        self._held += 1
+                    elif batch or len(items) >= _WAKE_BATCH:
                         self._wake()
                     elif not self._flush_pending:  # wake it when this task next waits, at the latest
                         self._flush_pending = True
@@ -162,6 +180,7 @@ class SyncBridge(Iterator[Pair]):
                 self._cond.notify_all()
 
     def _wake(self) -> None:
+        self._held = 0
         with self._cond:
             self._cond.notify()
 

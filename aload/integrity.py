@@ -179,7 +179,7 @@ class Digests:
         self._pool = IOPool(1)
         self._verified = verified
 
-    def chain(self, read: asyncio.Task[None], unit: Unit, data: torch.Tensor | None) -> asyncio.Task[None]:
+    def chain(self, read: asyncio.Future[None], unit: Unit, data: torch.Tensor | None) -> asyncio.Task[None]:
         """A task that hashes ``unit`` (its bytes: ``data``) after its read and after the shard's
         previous unit, so the digest sees the file in order while reads stay concurrent. Delivery
         waits for it, so the consumer never holds (or writes into) bytes not yet hashed."""
@@ -192,7 +192,7 @@ class Digests:
 
     async def _hash(
         self,
-        read: asyncio.Task[None],
+        read: asyncio.Future[None],
         previous: asyncio.Task[None] | None,
         sha: ShardHash,
         data: torch.Tensor | None,

@@ -350,6 +350,15 @@ class LocalSource(Source):
         # Known only once decided: ``_share_at`` would otherwise look at the page cache here.
         return self._warm is not None and self._share_at(offset, length) == 1.0
 
+    def populated(self, offset: int, length: int) -> bool:
+        if not self.in_memory(offset, length):
+            return False
+        try:
+            self._check_length(offset, length)
+        except SourceError:
+            return False  # ``populate`` raises it, when the unit's turn comes
+        return True
+
     def _populate(self, offset: int, length: int) -> None:
         assert self._map is not None
         self._map.populate(offset, length)

@@ -77,6 +77,12 @@ class Source(ABC):
         the page cache); asked once ``ready`` has been awaited."""
         return False
 
+    def populated(self, offset: int, length: int) -> bool:
+        """Whether a ``view`` of these bytes needs no ``populate`` at all, now: in memory, and
+        still there (a file not cut short since it was opened; where it was, ``populate`` raises
+        the error). Asked on the event loop once ``ready`` has been awaited."""
+        return False
+
     def release(self, offset: int, length: int) -> None:
         """No tensor views these bytes any more: let their memory go (from any thread)."""
         return None

@@ -30,6 +30,12 @@ WINDOW = 5
 #: Once one way is preferred, one step in this many goes the other way, to see whether it still
 #: loses (one step in 32 at a third slower costs ~1% of the load).
 EXPLORE = 32
+#: Exploring steps of the other way that must say it was faster, by the median of their ratios to
+#: the preferred way's latest steps, before the preference turns.
+SWITCH_AFTER = 3
+#: ... by this much at least: a step's time swings by a third from one to the next here, and ways
+#: within a tenth of each other are not worth turning for.
+SWITCH_RATIO = 0.9
 #: Steps under this size (a tensor's tail) go by ``preadv``, untimed: the mapping's fixed costs
 #: (the length check, two ``madvise`` calls) weigh on them, and their timings say little.
 CHOOSE_MIN_BYTES = 4 << 20
@@ -43,15 +49,27 @@ def copy_mode() -> str:
 
 
 class CopyChoice:
-    """One load's choice between ``PREAD`` and ``MAP``, made step by step from the nanoseconds
-    per byte each took lately; shared by the load's read threads."""
+    """One load's choice between ``PREAD`` and ``MAP``, shared by the load's read threads. The
+    first steps go both ways at once (``TRIAL``) and the faster by their medians is preferred;
+    from then on the way not preferred is tried one step in ``EXPLORE`` (one in a quarter of that
+    until it has been tried ``SWITCH_AFTER`` times since the preference was set), each such step
+    timed against the preferred way's latest steps (their median, ``WINDOW``), and the preference
+    turns once the median of the last ``SWITCH_AFTER`` of those ratios is under ``SWITCH_RATIO``.
 
-    __slots__ = ("_lock", "_mode", "_steps", "_times", "counts")
+    Comparing each way's latest timings instead (the preferred way's from the last few
+    milliseconds, the other's from its last exploring steps, long before) let a slow stretch of
+    the host turn the choice back and forth: a process's first 4 GiB load (six processes,
+    docs/benchmarks.md, stop 53) sent 5-71% of its steps by ``preadv``, in runs of 20-60, where
+    the mapping's steps ran 8-26% faster (medians)."""
+
+    __slots__ = ("_best", "_lock", "_mode", "_ratios", "_steps", "_times", "counts")
 
     def __init__(self, mode: str = "auto") -> None:
         self._mode = mode
         self._lock = threading.Lock()
         self._times = (deque[float](maxlen=WINDOW), deque[float](maxlen=WINDOW))
+        self._best: int | None = None  # the way preferred, once the trial has timed both
+        self._ratios = deque[float](maxlen=SWITCH_AFTER)  # the other way's steps against it
         self._steps = 0
         self.counts = [0, 0]  # steps timed each way: ``chosen``, and the tests
 
@@ -64,17 +82,30 @@ class CopyChoice:
         with self._lock:
             n = self._steps
             self._steps += 1
-            pread, mapped = self._times
-            if len(pread) < TRIAL or len(mapped) < TRIAL:
-                return n % 2  # concurrent steps go different ways: timed under the same load
-            best = PREAD if statistics.median(pread) <= statistics.median(mapped) else MAP
-            return 1 - best if n % EXPLORE == 0 else best
+            best = self._best
+            if best is None:
+                pread, mapped = self._times
+                if len(pread) < TRIAL or len(mapped) < TRIAL:
+                    return n % 2  # concurrent steps go different ways: timed under the same load
+                best = self._best = PREAD if statistics.median(pread) <= statistics.median(mapped) else MAP
+            # Until the other way has SWITCH_AFTER steps against this one (after the trial, after a
+            # turn), it is looked at four times as often: a trial of 3 steps each way in a slow
+            # first second picked the slower way, and 192 of 462 steps went by it.
+            every = EXPLORE if len(self._ratios) == SWITCH_AFTER else EXPLORE // 4
+            return 1 - best if n % every == 0 else best
 
     def record(self, way: int, nbytes: int, ns: int) -> None:
         """A step of ``nbytes`` went ``way`` in ``ns`` nanoseconds."""
         if nbytes >= CHOOSE_MIN_BYTES:
+            per_byte = ns / nbytes
             with self._lock:
-                self._times[way].append(ns / nbytes)
+                best = self._best
+                if best is not None and way != best and self._times[best]:
+                    self._ratios.append(per_byte / statistics.median(self._times[best]))
+                    if len(self._ratios) == SWITCH_AFTER and statistics.median(self._ratios) < SWITCH_RATIO:
+                        self._best = way
+                        self._ratios.clear()
+                self._times[way].append(per_byte)
                 self.counts[way] += 1
 
     @property

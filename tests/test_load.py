@@ -841,3 +841,71 @@ async def test_a_load_cancelled_during_a_long_walk_leaves_no_thread(
         await task
     assert not any(t.name == "aload-worker" and t.is_alive() for t in threading.enumerate())
     assert torch.equal(model.w, torch.zeros(4, 4))
+
+
+def _flat_model(tensors: dict[str, torch.Tensor]) -> nn.Module:
+    model = nn.Module()
+    for name, t in tensors.items():
+        model.register_parameter(name, nn.Parameter(torch.zeros_like(t), requires_grad=False))
+    return model
+
+
+async def test_units_read_in_place_wake_the_loaders_thread_a_few_at_a_time(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensors read straight into their parameters leave the built-in loader nothing to do but
+    take their names: its thread, waiting, is woken for them once a few are ready (or at the
+    end), not once each."""
+    from aload.bridge import SyncBridge
+
+    wakes = [0]
+    real = SyncBridge._wake
+
+    def wake(self: SyncBridge) -> None:
+        wakes[0] += 1
+        real(self)
+
+    monkeypatch.setattr(SyncBridge, "_wake", wake)
+    tensors = {f"t{i:02d}": torch.full((64 * 1024,), float(i)) for i in range(24)}  # 256 KiB each
+    path = write(tensors)
+    model = _flat_model(tensors)
+    # Larger than a chunk: each tensor a unit of its own, read straight into its parameter.
+    report = await aload.load(model, path, chunk_bytes=64 * 1024)
+    assert report.tensors == 24 and report.direct_bytes == sum(t.nbytes for t in tensors.values())
+    assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
+    assert wakes[0] <= 24 // 3
+
+
+async def test_a_loader_holding_tensors_between_units_in_place_gets_the_next_anyway(
+    write: Callable[..., Path],
+) -> None:
+    """A loader that keeps every tensor it is given, with units read in place between them (held
+    back from its thread, ``bridge._in_place``), is still seen as waiting once the budget runs
+    out: the next unit comes as an overdraft, not a deadlock."""
+    tensors = {f"t{i:02d}": torch.full((64 * 1024,), float(i)) for i in range(12)}  # 256 KiB each
+    path = write(tensors)
+    model = _flat_model(tensors)
+    kept: list[torch.Tensor] = []
+
+    class Holding(aload.Loader):
+        def destinations(self, model: nn.Module, device: torch.device) -> Any:
+            real = super().destinations(model, device)
+            assert real is not None
+            # The odd ones into buffers of the budget, which this loader then keeps.
+            return lambda name, spec: real(name, spec) if int(name[1:]) % 2 == 0 else None
+
+        def load_weights_only(self, model: nn.Module, weights: Iterable[Any], device: torch.device) -> Any:
+            names = set()
+            for name, t in weights:
+                target = getattr(model, name)
+                if t is not target:
+                    target.copy_(t)
+                    kept.append(t)
+                names.add(name)
+            return aload.Installed(names)
+
+    report = await asyncio.wait_for(
+        aload.load(model, path, loader=Holding(), max_inflight_bytes=512 * 1024, chunk_bytes=64 * 1024), 60
+    )
+    assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
+    assert len(kept) == 6 and report.overdraft_bytes > 0

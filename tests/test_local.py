@@ -699,20 +699,37 @@ async def test_a_load_times_both_copies_and_takes_the_faster(write: Callable[...
 
 
 def test_the_choice_alternates_then_prefers_the_faster_and_looks_at_the_other_now_and_then() -> None:
-    step = 8 * MiB
+    step, every = 8 * MiB, warmcopy.EXPLORE
+
+    def others(preferred: int) -> int:  # steps sent the other way in the next ``every`` picks
+        return sum(choice.pick(step) != preferred for _ in range(every))
+
     choice = CopyChoice("auto")
     first = [choice.pick(step) for _ in range(4)]
     assert first == [PREAD, MAP, PREAD, MAP]
     for way, ns in ((PREAD, 100), (MAP, 60), (PREAD, 110), (MAP, 70), (PREAD, 90), (MAP, 65)):
         choice.record(way, step, ns * step)
-    picks = [choice.pick(step) for _ in range(2 * warmcopy.EXPLORE)]
-    assert picks.count(PREAD) == 2 and picks.count(MAP) == 2 * warmcopy.EXPLORE - 2  # one in EXPLORE looks again
-    for _ in range(warmcopy.WINDOW):  # the mapping turns slow: the latest timings decide
+    assert others(MAP) == 4  # the mapping preferred; the other way looked at often at first
+    # Each step of the other way is judged against the preferred way's latest steps, not by its
+    # own old timings: slower than the mapping's, the preference stays, and once it has been
+    # looked at SWITCH_AFTER times, it is looked at one step in EXPLORE.
+    for way, ns in ((PREAD, 120), (MAP, 70), (PREAD, 130), (MAP, 80), (PREAD, 140)):
+        choice.record(way, step, ns * step)
+    assert others(MAP) == 1
+    for _ in range(warmcopy.WINDOW):  # the mapping turns slow
         choice.record(MAP, step, 300 * step)
-    assert choice.pick(step) == PREAD or choice.pick(step) == PREAD
+    choice.record(PREAD, step, 200 * step)  # one of the last three says so (130/67.5, 140/70, 200/300)
+    assert others(MAP) == 1
+    choice.record(PREAD, step, 250 * step)  # two of them: the preference turns
+    assert others(PREAD) == 4
+    for _ in range(warmcopy.WINDOW):
+        choice.record(PREAD, step, 200 * step)
+    for _ in range(warmcopy.SWITCH_AFTER):  # the mapping a twentieth faster: not worth a turn
+        choice.record(MAP, step, 190 * step)
+    assert others(PREAD) == 1
     assert choice.pick(warmcopy.CHOOSE_MIN_BYTES - 1) == PREAD  # a small step: preadv
     choice.record(MAP, MiB, 1)  # and it is not timed
-    assert choice.counts == [3, 8]
+    assert choice.counts == [13, 13] and choice.chosen == "pread"
     assert CopyChoice("map").pick(step) == MAP and CopyChoice("pread").pick(step) == PREAD
 
 
@@ -1626,6 +1643,35 @@ async def test_a_view_all_in_the_page_cache_needs_no_read(tmp_path: Path) -> Non
         assert src.in_memory(8 * MiB, 8 * MiB)
         assert not src.in_memory(0, 8 * MiB)
         assert not src.in_memory(2 * MiB, MiB)
+        # ``populated``: in memory and the file still that long, so no populate at all.
+        assert src.populated(8 * MiB, 8 * MiB) and not src.populated(0, 8 * MiB)
+        os.truncate(path, 12 * MiB)
+        assert src.in_memory(8 * MiB, 8 * MiB) and not src.populated(8 * MiB, 8 * MiB)  # populate says why
+
+
+async def test_views_all_in_the_page_cache_are_handed_out_without_a_read_task(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unit handed out as a view of pages all in the page cache needs nothing read: no task is
+    made for it (``Reader._read``), its bytes are counted as read all the same."""
+    from aload.reader import Reader
+
+    reads = [0]
+    real = Reader._read
+
+    async def read(self: Reader, *args: Any) -> None:
+        reads[0] += 1
+        await real(self, *args)
+
+    monkeypatch.setattr(Reader, "_read", read)
+    tensors = {f"t{i}": torch.full((64 * 1024,), float(i)) for i in range(8)}  # 256 KiB each
+    path = write(tensors)
+    if not cached(path):
+        pytest.skip("the file did not stay in the page cache")
+    async with aload.stream(path, chunk_bytes=64 * 1024) as s:  # a unit each
+        got = {name: t.clone() async for name, t in s}
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert reads[0] == 0 and s.stats.bytes_read == sum(t.nbytes for t in tensors.values())
 
 
 @pytest.mark.parametrize("in_order", [False, True])
