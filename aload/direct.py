@@ -14,7 +14,8 @@ import os
 
 import numpy as np
 
-from ._syscalls import bounce_buffer, libc, pread_into
+from ._ntcopy import copy_bytes
+from ._syscalls import bounce_buffer, pread_into
 from .errors import SourceError
 
 #: Measured on this VM, 4 GiB cold: 1 MiB pieces did best (2 MiB: as fast or slower, 4 MiB x 16:
@@ -79,7 +80,6 @@ class DirectFile:
     def read_bounced(self, offset: int, buf: memoryview) -> None:
         """``buf`` from the file: the aligned range around it into this thread's buffer with
         ``O_DIRECT``, then copied out."""
-        assert libc is not None
         n = len(buf)
         if not self.ok:  # refused by an earlier read
             return pread_into(self.fd, buf, offset, self.url)
@@ -87,8 +87,7 @@ class DirectFile:
         span = -(-(offset + n - lo) // ALIGN) * ALIGN
         bounce, addr = bounce_buffer(span)
         self.read_aligned(lo, bounce[:span], offset + n - lo, (offset, offset + n))
-        dst = np.frombuffer(buf, dtype=np.uint8)
-        libc.memcpy(dst.ctypes.data, addr + (offset - lo), n)
+        copy_bytes(np.frombuffer(buf, dtype=np.uint8).ctypes.data, addr + (offset - lo), n)
         return None
 
     def close(self) -> None:

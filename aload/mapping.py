@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ._ntcopy import copy_bytes
 from ._syscalls import (
     MADV_DONTNEED,
     MADV_POPULATE_READ,
@@ -92,10 +93,10 @@ class FileMapping:
     def copy_into(self, offset: int, buf: memoryview, cached: bool = False, release: bool = True) -> bool:
         """Copy the file's bytes at ``offset`` into ``buf`` out of the mapping: its pages mapped
         first (after the length check: touching a page past the end of the file would kill the
-        process), then one ``memcpy`` on this thread, then the pages dropped from the process
-        again (``release=False``: the caller lets go of them, with ``Spans``). ``cached``: the
-        caller saw every page of the range in the page cache, so none is populated first and the
-        ``memcpy``'s own faults map them, one per 2 MiB page where the page cache holds them so
+        process), then one copy on this thread (past the caches: ``_ntcopy.copy_bytes``), then the
+        pages dropped from the process again (``release=False``: the caller lets go of them, with
+        ``Spans``). ``cached``: the caller saw every page of the range in the page cache, so none
+        is populated first and the copy's own faults map them, one per 2 MiB page where the page cache holds them so
         (the populate walked every 4 KiB of them). False, with nothing copied, where the kernel
         cannot populate: the caller reads them instead. A file cut short after the length check
         still kills the process, as with any mapped loader."""
@@ -106,8 +107,7 @@ class FileMapping:
         check_length(self._fd, offset, n, self.url)
         if not cached and not self._populated(arr, offset, n):
             return False
-        assert libc is not None
-        libc.memcpy(np.frombuffer(buf, dtype=np.uint8).ctypes.data, arr.ctypes.data + offset, n)
+        copy_bytes(np.frombuffer(buf, dtype=np.uint8).ctypes.data, arr.ctypes.data + offset, n)
         if release:
             self.release(offset, n)
         return True

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._ntcopy import copy_bytes
 from ._syscalls import HUGE, huge_buffer
 from ._threads import PAUSE_AFTER_S, hand_back
 from .arena import ARENA, MAPPED, OUTSIDE, Arena, Lease, UnitView, byte_view, host_array, prefault, run_at
@@ -823,4 +824,5 @@ def _check_positive(**values: int) -> None:
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
-    np.frombuffer(dst, dtype=np.uint8)[:] = np.frombuffer(src, dtype=np.uint8)
+    assert len(dst) == len(src)
+    copy_bytes(np.frombuffer(dst, dtype=np.uint8).ctypes.data, np.frombuffer(src, dtype=np.uint8).ctypes.data, len(dst))

@@ -51,12 +51,20 @@ AT = "@"
 
 
 def import_tree(tree: Path, index: int, into: Path) -> Any:
-    """The ``aload`` package of ``tree``, imported as ``aload_tree<index>``."""
+    """The ``aload`` package of ``tree``, imported as ``aload_tree<index>``, its stores its own:
+    the registry names their modules in full (``"aload.local:LocalStore"``), which without this
+    made another tree's loads read local files with this tree's ``aload.local`` (the A/Bs of
+    stop 54 with ``--tree`` compared the reader, the bridge and the plan, not the local reads)."""
     name = f"aload_tree{index}"
     shutil.copytree(tree / "aload", into / name)
     if str(into) not in sys.path:
         sys.path.insert(0, str(into))
-    return importlib.import_module(name)
+    pkg = importlib.import_module(name)
+    sources = importlib.import_module(f"{name}.sources")
+    for scheme, (target, extra) in list(sources.STORES.items()):
+        if target.startswith("aload."):
+            sources.STORES[scheme] = (name + target[len("aload") :], extra)
+    return pkg
 
 
 def layout(files: list[str]) -> list[tuple[str, str, int, int]]:

@@ -95,6 +95,35 @@ def mapped_faulting(f: Files, threads: int, piece: int) -> None:
     mapped_memcpy(f, threads, piece, populate=False)
 
 
+def mapped_streaming(f: Files, threads: int, piece: int, streaming: bool = True) -> None:
+    """Each piece copied out of a private mapping, faulted by the copy and let go once a
+    ``RELEASE_SPAN_BYTES`` span is copied, by aload's copy past the caches (``_ntcopy``), or
+    (``streaming=False``) by ``memcpy``: aload's warm steps out of the mapping, alone."""
+    from aload._ntcopy import copy_bytes
+    from aload.mapping import RELEASE_SPAN_BYTES
+
+    copy = copy_bytes if streaming else libc.memcpy
+    maps = []
+    for p in f.paths:
+        fd = os.open(p, os.O_RDONLY)
+        maps.append(mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ))
+        os.close(fd)
+    bases = [np.frombuffer(m, dtype=np.uint8).ctypes.data for m in maps]
+    dest = f.dest.ctypes.data
+
+    def one(j: tuple[int, int, int, int]) -> None:
+        i, off, n, at = j
+        copy(dest + at, bases[i] + off, n)
+        if (off + n) % RELEASE_SPAN_BYTES == 0:
+            libc.madvise(bases[i] + off + n - RELEASE_SPAN_BYTES, RELEASE_SPAN_BYTES, MADV_DONTNEED)
+
+    run_pool(threads, f.pieces(piece), one)
+
+
+def mapped_memcpy_steps(f: Files, threads: int, piece: int) -> None:
+    mapped_streaming(f, threads, piece, streaming=False)
+
+
 def direct(f: Files, threads: int, piece: int) -> None:
     """O_DIRECT into a per-thread aligned buffer, then memcpy: what aload does for a file on disk."""
     fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in f.paths]
@@ -128,6 +157,8 @@ METHODS: dict[str, dict[str, tuple[Callable[[Files, int, int], None], int, int]]
         "mapping + memcpy 2 x 16 MiB": (mapped_memcpy, 2, 16 * MiB),
         "mapping + memcpy 2 x 256 MiB": (mapped_memcpy, 2, 256 * MiB),
         "mapping, faulted by memcpy 2 x 256 MiB": (mapped_faulting, 2, 256 * MiB),
+        "mapping, memcpy 2 x 8 MiB, spans let go": (mapped_memcpy_steps, 2, 8 * MiB),
+        "mapping, streaming 2 x 8 MiB, spans let go": (mapped_streaming, 2, 8 * MiB),
     },
     "cold": {
         "preadv 16 x 2 MiB": (preadv, 16, 2 * MiB),

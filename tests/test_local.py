@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 import aload
-from aload import _syscalls, _threads, local, mapping, pagecache, reader, warmcopy
+from aload import _ntcopy, _syscalls, _threads, local, mapping, pagecache, reader, warmcopy
 from aload._syscalls import all_cached, libc, window_pages
 from aload.arena import byte_view
 from aload.direct import DIRECT_PIECE_BYTES, DirectFile
@@ -1814,3 +1814,54 @@ async def test_a_file_read_without_its_mapping_is_decided_without_a_thread(
     async with aload.stream(path, read="pread") as s:
         got = await collect(s)
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("n", [1, 127, 128, 300, 16 * 1024 - 1, 16 * 1024, 3 * 16 * 1024 + 200, MiB + 77])
+@pytest.mark.parametrize("shift", [(0, 0), (5, 3), (33, 64)])
+def test_the_streaming_copy_copies_every_byte_and_nothing_around_them(n: int, shift: tuple[int, int]) -> None:
+    """Each path of the copy past the caches (a head to align the destination, the loop of four
+    pages, the loop of lines, a tail) gives the bytes back exactly, at any alignment, and writes
+    nothing before or after them; ``copy_bytes`` likewise (by ``memcpy`` under its minimum)."""
+    copy = _ntcopy.streaming_copy()
+    if copy is None:
+        pytest.skip("no non-temporal copy here (not x86-64 Linux with AVX2, or no executable memory)")
+    src_at, dst_at = shift
+    src = np.random.default_rng(n).integers(0, 256, n + 64, dtype=np.uint8)
+    for fn in (copy, _ntcopy.copy_bytes):
+        dst = np.zeros(n + 192, dtype=np.uint8)
+        fn(dst.ctypes.data + dst_at, src.ctypes.data + src_at, n)
+        assert np.array_equal(dst[dst_at : dst_at + n], src[src_at : src_at + n])
+        assert not dst[:dst_at].any() and not dst[dst_at + n :].any()
+
+
+def test_the_streaming_copy_is_off_where_asked_and_memcpy_copies_then(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_ntcopy.STREAMING_ENV, "0")
+    assert _ntcopy._copier() is None
+    monkeypatch.setattr(_ntcopy, "_made", True)
+    monkeypatch.setattr(_ntcopy, "_streaming", None)
+    src = np.arange(MiB, dtype=np.uint8)
+    dst = np.zeros(MiB, dtype=np.uint8)
+    _ntcopy.copy_bytes(dst.ctypes.data, src.ctypes.data, MiB)
+    assert np.array_equal(dst, src)
+
+
+async def test_a_warm_load_copies_past_the_caches_where_it_can_and_gets_the_same_bytes(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of the mapping (``ALOAD_WARM_COPY=map``) a warm tensor comes through the streaming
+    copy where there is one; the parameter holds the checkpoint's bytes either way."""
+    w = torch.randn(4 * 1024, 1024)  # 16 MiB: two steps
+    path, _ = warm_file(write, {"w": w})
+    monkeypatch.setenv(warmcopy.COPY_ENV, "map")
+    calls: list[int] = []
+    real = _ntcopy.copy_bytes
+
+    def counted(dst: int, src: int, n: int) -> None:
+        calls.append(n)
+        real(dst, src, n)
+
+    monkeypatch.setattr(mapping, "copy_bytes", counted)
+    model = flat({"w": torch.zeros(4 * 1024, 1024)})
+    report = await aload.load(model, path)
+    assert torch.equal(model.w, w) and report.warm_copy == "map"
+    assert sum(calls) == w.nbytes
