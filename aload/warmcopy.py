@@ -109,6 +109,11 @@ class CopyChoice:
                 self.counts[way] += 1
 
     @property
+    def maps(self) -> bool:
+        """Whether copies out of the mapping are the preferred way now (fixed so, or timed so)."""
+        return self._mode == "map" or (self._mode == "auto" and self._best == MAP)
+
+    @property
     def chosen(self) -> str | None:
         """The way most steps went ("pread" or "map"); None before any step."""
         pread, mapped = self.counts

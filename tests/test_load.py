@@ -125,8 +125,10 @@ async def test_a_slow_loader_holds_few_whole_units(
 
     report = await aload.load(Engine(), path, chunk_bytes=unit, concurrency=2, in_order=in_order)
     assert (got if in_order else sorted(got)) == list(tensors)
-    # Queued in the reader (2 x concurrency), being read (concurrency), in the bridge, being cut.
-    ahead = 2 * 2 + 2 + 4 + 1
+    # Queued in the reader (2 x concurrency), being read (concurrency), in the bridge, being cut,
+    # and the consumer's previous tensor (``for name, t in weights`` holds it while asking for the
+    # next: 12 units, now and then, on the 2-core Xeon of stop 55).
+    ahead = 2 * 2 + 2 + 4 + 1 + 1
     assert report.peak_inflight_bytes <= ahead * unit, report.peak_inflight_bytes // unit
 
 

@@ -1865,3 +1865,32 @@ async def test_a_warm_load_copies_past_the_caches_where_it_can_and_gets_the_same
     report = await aload.load(model, path)
     assert torch.equal(model.w, w) and report.warm_copy == "map"
     assert sum(calls) == w.nbytes
+
+
+@pytest.mark.parametrize("mode", ["map", "pread"])
+async def test_a_warm_run_of_mid_sized_tensors_comes_out_of_the_mapping_where_the_load_prefers_it(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """Tensors of 1 MiB, read in runs by one scattering read each: with the mapping's copies
+    preferred (and a copy past the caches here) each run is copied out of the mapping, tensor by
+    tensor; by ``preadv`` otherwise. The parameters hold the checkpoint's bytes either way, and
+    the run's mapped pages are let go after."""
+    if _ntcopy.streaming_copy() is None and mode == "map":
+        pytest.skip("no non-temporal copy here")
+    tensors = {f"w{i}": torch.randn(256, 1024) for i in range(24)}  # 1 MiB each
+    path, _ = warm_file(write, tensors)
+    monkeypatch.setenv(warmcopy.COPY_ENV, mode)
+    copied: list[int] = []
+    real = local.copy_bytes
+
+    def counted(dst: int, src: int, n: int) -> None:
+        copied.append(n)
+        real(dst, src, n)
+
+    monkeypatch.setattr(local, "copy_bytes", counted)
+    model = flat({k: torch.zeros_like(v) for k, v in tensors.items()})
+    before = rss_file()
+    await aload.load(model, path)
+    assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
+    assert sum(copied) == (24 * MiB if mode == "map" else 0)
+    assert rss_file() - before < 8 * MiB
