@@ -8,10 +8,11 @@ steps never reach; the threshold can only be lowered for a whole process, at its
 (``GLIBC_TUNABLES``). So aload carries the loop itself: 400 bytes of x86-64 machine code (AVX2),
 assembled from the source below and made executable once (``mmap``, then ``mprotect`` to read
 and execute), called through ``ctypes`` (the GIL let go meanwhile). Copying 4 GiB in 8 MiB pieces
-out of a file's mapping on two threads (``benchmarks/local_reads.py``'s method, 2026-12-05, the
-2-core Xeon, medians of 3): ``memcpy`` 10.1-10.7 GB/s, one stream of non-temporal stores
-12.9-13.6, four pages at a time as here (glibc's own large copy does this) 15.5-16.5; glibc with
-its threshold lowered to 1 MiB 15.2.
+out of a file's mapping on two threads (2026-12-05, the 2-core Xeon, medians of 3, ad-hoc):
+``memcpy`` 9.7-10.7 GB/s, one stream of non-temporal stores 12.5-13.6, four pages side by side as
+here (as glibc's own large copy does) 15.5-16.5, glibc with its threshold lowered to 1 MiB 15.2;
+``benchmarks/local_reads.py``'s rows for aload's steps: 7.5 against 13.8 (docs/benchmarks.md,
+stop 55).
 
 None of it where it cannot be trusted: off Linux on x86-64, without AVX2 (``/proc/cpuinfo``),
 where the kernel refuses executable memory, where a copy of a test pattern comes back wrong, or

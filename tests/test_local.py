@@ -1845,6 +1845,18 @@ def test_the_streaming_copy_is_off_where_asked_and_memcpy_copies_then(monkeypatc
     assert np.array_equal(dst, src)
 
 
+def count_copies(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[int]:
+    """The sizes of the copies ``module`` makes through ``copy_bytes`` from now on."""
+    sizes: list[int] = []
+
+    def counted(dst: int, src: int, n: int) -> None:
+        sizes.append(n)
+        _ntcopy.copy_bytes(dst, src, n)
+
+    monkeypatch.setattr(module, "copy_bytes", counted)
+    return sizes
+
+
 async def test_a_warm_load_copies_past_the_caches_where_it_can_and_gets_the_same_bytes(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1853,14 +1865,7 @@ async def test_a_warm_load_copies_past_the_caches_where_it_can_and_gets_the_same
     w = torch.randn(4 * 1024, 1024)  # 16 MiB: two steps
     path, _ = warm_file(write, {"w": w})
     monkeypatch.setenv(warmcopy.COPY_ENV, "map")
-    calls: list[int] = []
-    real = _ntcopy.copy_bytes
-
-    def counted(dst: int, src: int, n: int) -> None:
-        calls.append(n)
-        real(dst, src, n)
-
-    monkeypatch.setattr(mapping, "copy_bytes", counted)
+    calls = count_copies(monkeypatch, mapping)
     model = flat({"w": torch.zeros(4 * 1024, 1024)})
     report = await aload.load(model, path)
     assert torch.equal(model.w, w) and report.warm_copy == "map"
@@ -1880,14 +1885,7 @@ async def test_a_warm_run_of_mid_sized_tensors_comes_out_of_the_mapping_where_th
     tensors = {f"w{i}": torch.randn(256, 1024) for i in range(24)}  # 1 MiB each
     path, _ = warm_file(write, tensors)
     monkeypatch.setenv(warmcopy.COPY_ENV, mode)
-    copied: list[int] = []
-    real = local.copy_bytes
-
-    def counted(dst: int, src: int, n: int) -> None:
-        copied.append(n)
-        real(dst, src, n)
-
-    monkeypatch.setattr(local, "copy_bytes", counted)
+    copied = count_copies(monkeypatch, local)
     model = flat({k: torch.zeros_like(v) for k, v in tensors.items()})
     before = rss_file()
     await aload.load(model, path)
