@@ -16,7 +16,8 @@ cache is left as it is (``suite.fresh_cache`` sets it as the suite does).
   ``safe_open``, ``threadpool``...), run on a thread through ``asyncio.to_thread`` as there.
 - ``raw``: the floor for a warm copy on this host: each shard mapped, every tensor copied into
   its parameter by ``memcpy`` in 8 MiB steps on two threads, nothing else (no header parsing, no
-  event loop, the pages never let go until the end).
+  event loop, the pages never let go until the end); ``raw_nt``: the same by aload's copy past
+  the caches (``aload._ntcopy``, ``memcpy`` where there is none), the floor for aload since stop 55.
 - ``--tree DIR`` (a folder holding an ``aload/`` package, such as ``git archive REF aload | tar -x
   -C DIR``) adds ``aload@DIR`` and ``aload_lw@DIR``: that tree's package, imported under another
   name beside this one (aload's modules import each other relatively).
@@ -81,10 +82,14 @@ def layout(files: list[str]) -> list[tuple[str, str, int, int]]:
     return out
 
 
-def raw_copy(params: dict[str, Any], files: list[str], tensors: list[tuple[str, str, int, int]]) -> None:
+def raw_copy(
+    params: dict[str, Any], files: list[str], tensors: list[tuple[str, str, int, int]], streaming: bool = False
+) -> None:
+    from aload._ntcopy import copy_bytes
     from aload._syscalls import libc, map_private
 
     assert libc is not None
+    step_copy = copy_bytes if streaming else libc.memcpy
     maps = {}
     for f in files:
         fd = os.open(f, os.O_RDONLY)
@@ -102,7 +107,7 @@ def raw_copy(params: dict[str, Any], files: list[str], tensors: list[tuple[str, 
                 step = next(todo, None)
             if step is None:
                 return
-            libc.memcpy(*step)
+            step_copy(*step)
 
     threads = [threading.Thread(target=copy) for _ in range(2)]
     for t in threads:
@@ -163,14 +168,14 @@ def load_once(
                 with safe_open(f, "pt") as fh:
                     split.feed(((k, fh.get_tensor(k)) for k in fh.keys()), params)
 
-    tensors = layout(files) if kind == "raw" else []  # read before the clock starts
+    tensors = layout(files) if kind in ("raw", "raw_nt") else []  # read before the clock starts
     t, c, loop0 = time.perf_counter(), time.process_time(), time.thread_time()
     if kind == "aload":
         asyncio.run(pkg.load(model, folder))
     elif kind == "aload_lw":
         asyncio.run(pkg.load(Engine(), folder))
-    elif kind == "raw":
-        raw_copy(params, files, tensors)
+    elif kind in ("raw", "raw_nt"):
+        raw_copy(params, files, tensors, streaming=kind == "raw_nt")
     else:
         asyncio.run(asyncio.to_thread(blocking))
     wall, cpu = (time.perf_counter() - t) * 1e3, (time.process_time() - c) * 1e3
