@@ -11,7 +11,7 @@ and execute), called through ``ctypes`` (the GIL let go meanwhile). Copying 4 Gi
 out of a file's mapping on two threads (2026-12-05, the 2-core Xeon, medians of 3, ad-hoc):
 ``memcpy`` 9.7-10.7 GB/s, one stream of non-temporal stores 12.5-13.6, four pages side by side as
 here (as glibc's own large copy does) 15.5-16.5, glibc with its threshold lowered to 1 MiB 15.2;
-``benchmarks/local_reads.py``'s rows for aload's steps: 7.5 against 13.8 (docs/benchmarks.md,
+``benchmarks/local_reads.py``'s rows for aload's steps: 10.2 against 16.3 (docs/benchmarks.md,
 stop 55).
 
 None of it where it cannot be trusted: off Linux on x86-64, without AVX2 (``/proc/cpuinfo``),

@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlparse
 import aiofiles
 import numpy as np
 
-from ._ntcopy import copy_bytes, streaming_copy
+from ._ntcopy import STREAMING_MIN_BYTES, copy_bytes, streaming_copy
 from ._syscalls import (
     IOVEC_OK,
     WILLNEED_PIECE_BYTES,
@@ -337,12 +337,20 @@ class LocalSource(Source):
         """A run of tensors laid end to end from ``offset`` copied into ``dests`` out of the
         mapping (``_ntcopy.copy_bytes``; the file's length checked first), this thread's core
         offered every ``PREAD_STEP_BYTES``, the run's pages let go after; False, nothing done,
-        unless there is a copy past the caches, the load prefers the mapping's copies, and the
-        run is all in the page cache. Qwen2.5-0.5B-shaped, warm, built-in: most of its bytes come
-        in such runs (docs/benchmarks.md, stop 55)."""
+        unless there is a copy past the caches, the load prefers the mapping's copies, the run is
+        all in the page cache, and its tensors average ``STREAMING_MIN_BYTES`` or more (smaller
+        ones are a ``ctypes`` call each this way, up to ``IOV_MAX`` of them one ``preadv``).
+        Qwen2.5-0.5B-shaped, warm, built-in: most of its bytes come in such runs
+        (docs/benchmarks.md, stop 55)."""
         m = self._map
         total = sum(d.nbytes for d in dests)
-        if m is None or streaming_copy() is None or not self._choice.maps or not self.in_memory(offset, total):
+        if (
+            m is None
+            or total < len(dests) * STREAMING_MIN_BYTES
+            or streaming_copy() is None
+            or not self._choice.maps
+            or not self.in_memory(offset, total)
+        ):
             return False
         self._check_length(offset, total)  # a page past the end of a file cut short would kill the process
         base, at, since = m.array().ctypes.data + offset, 0, 0

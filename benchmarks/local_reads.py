@@ -69,15 +69,21 @@ def preadv(f: Files, threads: int, piece: int) -> None:
         [os.close(fd) for fd in fds]
 
 
-def mapped_memcpy(f: Files, threads: int, piece: int, populate: bool = True) -> None:
-    """MADV_POPULATE_READ, one memcpy, MADV_DONTNEED: what aload did for a file in the cache
-    until 2026-12-03 (without the populate where all of it was cached: the copy's faults map it)."""
+def mapped(f: Files, flags: int) -> tuple[list[mmap.mmap], list[int]]:
+    """Each file mapped whole, read-only (each mapping holds a descriptor of its own), and the
+    mappings' addresses."""
     maps = []
     for p in f.paths:
         fd = os.open(p, os.O_RDONLY)
-        maps.append(mmap.mmap(fd, 0, prot=mmap.PROT_READ))  # holds a descriptor of its own
+        maps.append(mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ))
         os.close(fd)
-    bases = [np.frombuffer(m, dtype=np.uint8).ctypes.data for m in maps]
+    return maps, [np.frombuffer(m, dtype=np.uint8).ctypes.data for m in maps]
+
+
+def mapped_memcpy(f: Files, threads: int, piece: int, populate: bool = True) -> None:
+    """MADV_POPULATE_READ, one memcpy, MADV_DONTNEED: what aload did for a file in the cache
+    until 2026-12-03 (without the populate where all of it was cached: the copy's faults map it)."""
+    _maps, bases = mapped(f, mmap.MAP_SHARED)  # the mappings alive while their addresses are used
     dest = f.dest.ctypes.data
 
     def one(j: tuple[int, int, int, int]) -> None:
@@ -103,19 +109,25 @@ def mapped_streaming(f: Files, threads: int, piece: int, streaming: bool = True)
     from aload.mapping import RELEASE_SPAN_BYTES
 
     copy = copy_bytes if streaming else libc.memcpy
-    maps = []
-    for p in f.paths:
-        fd = os.open(p, os.O_RDONLY)
-        maps.append(mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ))
-        os.close(fd)
-    bases = [np.frombuffer(m, dtype=np.uint8).ctypes.data for m in maps]
+    _maps, bases = mapped(f, mmap.MAP_PRIVATE)  # the mappings alive while their addresses are used
     dest = f.dest.ctypes.data
+
+    left: dict[tuple[int, int], int] = {}  # bytes of each (file, span) not yet copied
+    for i, off, n, _ in f.pieces(piece):
+        key = (i, off // RELEASE_SPAN_BYTES)
+        left[key] = left.get(key, 0) + n
+    lock = threading.Lock()
 
     def one(j: tuple[int, int, int, int]) -> None:
         i, off, n, at = j
         copy(dest + at, bases[i] + off, n)
-        if (off + n) % RELEASE_SPAN_BYTES == 0:
-            libc.madvise(bases[i] + off + n - RELEASE_SPAN_BYTES, RELEASE_SPAN_BYTES, MADV_DONTNEED)
+        key = (i, off // RELEASE_SPAN_BYTES)
+        with lock:
+            left[key] -= n
+            last = left[key] == 0
+        if last:  # the span's last piece, whichever thread copied it: let its pages go (as Spans)
+            lo = key[1] * RELEASE_SPAN_BYTES
+            libc.madvise(bases[i] + lo, min(RELEASE_SPAN_BYTES, f.sizes[i] - lo) // ALIGN * ALIGN, MADV_DONTNEED)
 
     run_pool(threads, f.pieces(piece), one)
 

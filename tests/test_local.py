@@ -1892,3 +1892,18 @@ async def test_a_warm_run_of_mid_sized_tensors_comes_out_of_the_mapping_where_th
     assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
     assert sum(copied) == (24 * MiB if mode == "map" else 0)
     assert rss_file() - before < 8 * MiB
+
+
+async def test_a_warm_run_of_small_tensors_stays_one_scattering_read(
+    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensors under the streaming copy's minimum come by ``preadv`` even where the load prefers
+    the mapping: out of it they would be a call each."""
+    tensors = {f"w{i}": torch.randn(4096) for i in range(64)}  # 16 KiB each
+    path, _ = warm_file(write, tensors)
+    monkeypatch.setenv(warmcopy.COPY_ENV, "map")
+    copied = count_copies(monkeypatch, local)
+    model = flat({k: torch.zeros_like(v) for k, v in tensors.items()})
+    await aload.load(model, path)
+    assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
+    assert copied == []
