@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._ntcopy import STREAMING_MIN_BYTES
 from ._syscalls import madvise_in_steps, memory_at
 from .direct import ALIGN  # O_DIRECT reads into a unit's buffer need its address aligned
 from .format import TensorSpec
@@ -176,12 +177,17 @@ def _uncut(unit: Unit, item: Item) -> torch.Tensor:
 #: of an ``as_strided`` each (a micro-benchmark of 4 KiB tensors: 0.7-0.8 us a tensor against
 #: 2.1-2.3), while a run's pieces, alive together until handed out, stay few.
 CUT_RUN = 256
+#: The least a tensor handed as ``handed`` (``run_at``) holds: the streaming copy's minimum.
+HANDED_MIN_BYTES = STREAMING_MIN_BYTES
 
 
-def run_at(unit: Unit, view: UnitView | None, i: int) -> tuple[collections.deque[tuple[str, torch.Tensor]], int]:
+def run_at(
+    unit: Unit, view: UnitView | None, i: int, handed: type[torch.Tensor] | None = None
+) -> tuple[collections.deque[tuple[str, torch.Tensor]], int]:
     """The (name, tensor) pairs of the unit's delivered items in a run from item ``i`` on, each
     tensor a view of the unit's buffer or what ``_uncut`` gives, and the index of the item after
-    the run. A run is at most
+    the run; a view of ``HANDED_MIN_BYTES`` or more as ``handed`` where given (``handed.py``: a
+    CPU model's loader copies it past the caches). A run is at most
     ``CUT_RUN`` items of one dtype, cut from the buffer at once; a consumer takes its pairs with
     ``popleft`` (a C call, where a generator's step per tensor was Python), so that nothing here
     holds a pair once it is handed out and a unit's memory goes back once the consumer has
@@ -207,7 +213,10 @@ def run_at(unit: Unit, view: UnitView | None, i: int) -> tuple[collections.deque
         spec = item.spec
         if not spec.nbytes:  # owns no bytes: holds no buffer alive
             piece = _uncut(unit, item)
-        elif len(spec.shape) != 1:
-            piece = piece.view(spec.shape)
+        else:
+            if len(spec.shape) != 1:
+                piece = piece.view(spec.shape)
+            if handed is not None and spec.nbytes >= HANDED_MIN_BYTES:
+                piece = piece.as_subclass(handed)
         out.append((item.name, piece))
     return out, j

@@ -23,6 +23,8 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import torch
+
 from ._threads import Pacer
 from .arena import UnitView, run_at
 from .pipeline import TensorStream
@@ -78,8 +80,9 @@ class _Batch:
 
 
 class SyncBridge(Iterator[Pair]):
-    def __init__(self, stream: TensorStream, maxsize: int = 64) -> None:
+    def __init__(self, stream: TensorStream, maxsize: int = 64, handed: type[torch.Tensor] | None = None) -> None:
         self._stream = stream
+        self._handed = handed  # large tensors handed as this type (``handed.py``), where given
         self._loop = asyncio.get_running_loop()
         # Whole units are held to a few (see _MAX_UNITS), pairs to ``maxsize``.
         self._max = maxsize if not stream.cuts_later else _MAX_UNITS
@@ -122,7 +125,7 @@ class SyncBridge(Iterator[Pair]):
                     pairs: collections.deque[Any] = collections.deque()
                     j = 0
                     while j < len(unit.items):  # a run per dtype
-                        run, j = run_at(unit, base, j)
+                        run, j = run_at(unit, base, j, self._handed)
                         pairs.extend(run)
                     del run
                     yield _Batch(unit, None, pairs)
@@ -226,7 +229,7 @@ class SyncBridge(Iterator[Pair]):
             if batch is not None:
                 unit, view, i = batch
                 if i < len(unit.items):
-                    run, j = run_at(unit, view, i)
+                    run, j = run_at(unit, view, i, self._handed)
                     self._batch = (unit, view, j)
                     del batch, view
                     if run:

@@ -24,6 +24,7 @@ from .bridge import LoadCancelled, SyncBridge
 from .checkpoint import DEFAULT_CONCURRENCY, Checkpoint
 from .errors import AloadError, LoadError, UsageError, add_note
 from .format import TensorSpec
+from .handed import copies, handing
 from .install import Hook, Installed, Loader
 from .integrity import Manifest
 from .pipeline import TensorStream
@@ -186,7 +187,8 @@ async def load(
         async with ts:
             if walk is not None:  # awaited by the plan already, unless tensor stages left it out
                 await walk
-            bridge = SyncBridge(ts)
+            # Into CPU parameters, large tensors copy themselves past the caches (handed.py).
+            bridge = SyncBridge(ts, handed=handing() if dev.type == "cpu" else None)
             pump = asyncio.ensure_future(bridge.pump())
             work, thread = start_thread(_work, loader, model, bridge, dev, cuda, name="aload-load")
             done = await _supervise(bridge, pump, work, thread)
@@ -276,7 +278,7 @@ def _maker(stream: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _work(loader: Loader, model: nn.Module, bridge: SyncBridge, dev: torch.device, cuda: Any) -> Installed:
-    ctx = torch.cuda.stream(cuda) if cuda is not None else contextlib.nullcontext()
+    ctx = torch.cuda.stream(cuda) if cuda is not None else copies()
     try:
         with ctx:
             done = loader.load_weights_and_postprocess(model, bridge, dev)

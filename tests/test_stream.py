@@ -529,8 +529,8 @@ async def test_large_tensors_are_cut_on_the_loop_runs_of_small_ones_by_the_consu
     cut_on: dict[str, int] = {}
     run_at = bridge.run_at
 
-    def recorded(unit: object, view: object, i: int) -> object:
-        run, j = run_at(unit, view, i)  # type: ignore[arg-type]
+    def recorded(unit: object, view: object, i: int, handed: object = None) -> object:
+        run, j = run_at(unit, view, i, handed)  # type: ignore[arg-type]
         cut_on.update((name, threading.get_ident()) for name, _ in run)
         return run, j
 
