@@ -15,8 +15,9 @@ own, with its results plain tensors. Views that a loader cuts before copying (``
 ``view``, ``reshape``, indexing, ``split``, ``chunk``...: a tensor-parallel shard, a fused
 projection's part) stay ``HandedTensor``.
 
-The helpers belong to one load (``copies``, on the loader's thread): a copy on any other thread,
-or after the load, is done on the calling thread alone. ``ALOAD_STREAMING_COPY=0`` turns this off
+The helpers belong to one load (``copies``, on the loader's thread) and run at the read threads'
+lower priority (``_threads.READ_NICE``), so that the event loop takes a core first: a copy on any
+other thread, or after the load, is done on the calling thread alone. ``ALOAD_STREAMING_COPY=0`` turns this off
 with the rest of the streaming copy (``handing`` is then None: plain tensors).
 """
 
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from ._ntcopy import STREAMING_MIN_BYTES, copy_bytes, streaming_copy
+from ._threads import lower_priority, read_nice
 
 _COPY = torch.Tensor.copy_
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -99,6 +101,7 @@ class _Helpers:
             raise error
 
     def _work(self) -> None:
+        lower_priority(read_nice())  # as the read threads: the event loop takes a core first
         while (job := self._jobs.get()) is not None:
             try:
                 copy_bytes(*job)

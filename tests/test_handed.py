@@ -4,7 +4,10 @@ helper threads; any other call is torch's own, with the same results and the sam
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,7 @@ import pytest
 import torch
 
 import aload
-from aload import _ntcopy, handed
+from aload import _ntcopy, _threads, handed
 from aload.handed import HandedTensor, copies
 
 from .conftest import drop_cache
@@ -183,7 +186,15 @@ def test_the_helpers_copy_every_byte_of_a_split_copy_and_end(n: int) -> None:
     try:
         helpers.copy(dst.ctypes.data, src.ctypes.data, n)
         assert np.array_equal(dst[:n], src) and not dst[n:].any()
-        assert len(copier_threads()) == (2 if n >= 2 * handed.SPLIT_PIECE_BYTES else 0)
+        helpers_now = [t for t in threading.enumerate() if t.name.startswith("aload-copy")]
+        assert len(helpers_now) == (2 if n >= 2 * handed.SPLIT_PIECE_BYTES else 0)
+        if sys.platform.startswith("linux"):  # below the process's priority, as the read threads
+            want = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + _threads.read_nice())
+            for t in helpers_now:
+                deadline = time.monotonic() + 5
+                while os.getpriority(os.PRIO_PROCESS, t.native_id or 0) != want and time.monotonic() < deadline:
+                    time.sleep(0.001)  # each lowers its own at its start
+                assert os.getpriority(os.PRIO_PROCESS, t.native_id or 0) == want
     finally:
         helpers.close()
     assert copier_threads() == []
