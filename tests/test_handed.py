@@ -20,7 +20,7 @@ import aload
 from aload import _ntcopy, _threads, handed
 from aload.handed import HandedTensor, copies
 
-from .conftest import drop_cache
+from .conftest import drop_cache, hf_llama
 
 MiB = 1 << 20
 
@@ -90,6 +90,35 @@ async def test_a_cpu_models_loader_gets_large_tensors_that_copy_past_the_caches(
     if torch.get_num_threads() > 1:
         assert len(copied) > 3  # "big" in pieces
     assert copier_threads() == []
+
+
+@needs_streaming
+async def test_an_engine_with_fused_projections_loads_the_same_bytes_handed_or_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``examples/engine_llama.py`` (q, k, v into one ``qkv_proj``, gate and up into one
+    ``gate_up_proj``, each part's rows copied by its ``weight_loader``) holds the same parameters
+    after a load with handed tensors, whose copies went by the streaming copy, as after one with
+    plain tensors."""
+    from examples.engine_llama import Config, EngineLlama
+
+    fields = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+    fields.update(num_attention_heads=4, num_key_value_heads=2)
+    hf_llama(**fields).save_pretrained(tmp_path, safe_serialization=True)
+    copied = count_copies(monkeypatch)
+
+    async def loaded() -> dict[str, torch.Tensor]:
+        torch.manual_seed(1)
+        model = EngineLlama(Config(**fields))
+        await aload.load(model, tmp_path)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    handed_load = await loaded()
+    assert len(copied) >= 8  # every projection of 256 KiB, fused ones part by part
+    monkeypatch.setattr(aload.loader, "handing", lambda: None)
+    plain_load = await loaded()
+    assert handed_load.keys() == plain_load.keys()
+    assert all(torch.equal(handed_load[k], plain_load[k]) for k in plain_load)
 
 
 async def test_with_the_streaming_copy_off_a_model_gets_plain_tensors(
