@@ -177,8 +177,6 @@ def _uncut(unit: Unit, item: Item) -> torch.Tensor:
 #: of an ``as_strided`` each (a micro-benchmark of 4 KiB tensors: 0.7-0.8 us a tensor against
 #: 2.1-2.3), while a run's pieces, alive together until handed out, stay few.
 CUT_RUN = 256
-#: The least a tensor handed as ``handed`` (``run_at``) holds: the streaming copy's minimum.
-HANDED_MIN_BYTES = STREAMING_MIN_BYTES
 
 
 def run_at(
@@ -186,7 +184,7 @@ def run_at(
 ) -> tuple[collections.deque[tuple[str, torch.Tensor]], int]:
     """The (name, tensor) pairs of the unit's delivered items in a run from item ``i`` on, each
     tensor a view of the unit's buffer or what ``_uncut`` gives, and the index of the item after
-    the run; a view of ``HANDED_MIN_BYTES`` or more as ``handed`` where given (``handed.py``: a
+    the run; a view of ``STREAMING_MIN_BYTES`` or more as ``handed`` where given (``handed.py``: a
     CPU model's loader copies it past the caches). A run is at most
     ``CUT_RUN`` items of one dtype, cut from the buffer at once; a consumer takes its pairs with
     ``popleft`` (a C call, where a generator's step per tensor was Python), so that nothing here
@@ -216,7 +214,7 @@ def run_at(
         else:
             if len(spec.shape) != 1:
                 piece = piece.view(spec.shape)
-            if handed is not None and spec.nbytes >= HANDED_MIN_BYTES:
+            if handed is not None and spec.nbytes >= STREAMING_MIN_BYTES:
                 piece = piece.as_subclass(handed)
         out.append((item.name, piece))
     return out, j

@@ -6,7 +6,7 @@ copy, on ``torch.get_num_threads()`` threads, with ordinary stores, so every lin
 first read into the cache (4 GiB warm on the 2-core hosts measured: ~340-500 ms, while aload's
 own copy by non-temporal stores, ``_ntcopy``, on two threads took ~215-250). aload owns the
 tensors it hands out, not the model's copy; but a call on a tensor goes through its type's
-``__torch_function__``, so a tensor of ``STREAMING_MIN_BYTES`` or more goes to a CPU model's
+``__torch_function__``, so a tensor of ``_ntcopy.STREAMING_MIN_BYTES`` or more goes to a CPU model's
 loader as a ``HandedTensor``: where ``copy_`` reads it whole into a CPU tensor of the same
 dtype and shape, both contiguous, the bytes go by ``_ntcopy.copy_bytes``, split between the
 calling thread and helpers (as many threads in all as torch's copy would use); everything else
@@ -17,8 +17,8 @@ projection's part) stay ``HandedTensor``.
 
 The helpers belong to one load (``copies``, on the loader's thread) and run at the read threads'
 lower priority (``_threads.READ_NICE``), so that the event loop takes a core first: a copy on any
-other thread, or after the load, is done on the calling thread alone. ``ALOAD_STREAMING_COPY=0`` turns this off
-with the rest of the streaming copy (``handing`` is then None: plain tensors).
+other thread, or after the load, is done on the calling thread alone. ``ALOAD_STREAMING_COPY=0``
+turns this off with the rest of the streaming copy (``handing`` is then None: plain tensors).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._ntcopy import STREAMING_MIN_BYTES, copy_bytes, streaming_copy
+from ._ntcopy import copy_bytes, streaming_copy
 from ._threads import lower_priority, read_nice
 
 _COPY = torch.Tensor.copy_
@@ -118,6 +118,10 @@ class _Helpers:
         self._threads.clear()
 
 
+#: Where no load's helpers are (another thread, after the load): the calling thread alone.
+_ALONE = _Helpers(1)
+
+
 @contextlib.contextmanager
 def copies() -> Iterator[None]:
     """On the loader's thread, for one load: ``HandedTensor`` copies on this thread are split
@@ -131,23 +135,24 @@ def copies() -> Iterator[None]:
         helpers.close()
 
 
-def _fast(dst: Any, src: Any) -> bool:
-    """Whether ``dst.copy_(src)`` is a plain copy of bytes that torch would do as such, with no
-    autograd record, no conversion, no broadcast and no overlap."""
+def _plain_copy(dst: Any, src: Any) -> tuple[int, int, int] | None:
+    """The destination's and the source's addresses and the bytes, where ``dst.copy_(src)`` is a
+    plain copy of bytes that torch would do as such (no autograd record, no conversion, no
+    broadcast, no overlap); else None."""
     if type(dst) not in _PLAIN or dst.device.type != "cpu" or src.device.type != "cpu":
-        return False
+        return None
     if dst.dtype != src.dtype or dst.shape != src.shape or dst.layout != torch.strided:
-        return False
+        return None
     if not (dst.is_contiguous() and src.is_contiguous()) or dst.is_inference():
-        return False
+        return None
     if dst.requires_grad and torch.is_grad_enabled():  # torch raises or records: its own path
-        return False
+        return None
     if dst.is_conj() or dst.is_neg() or src.is_conj() or src.is_neg():
-        return False
+        return None
     d: int = dst.data_ptr()
     s: int = src.data_ptr()
     n: int = src.nbytes
-    return n > 0 and (d + n <= s or s + n <= d)
+    return (d, s, n) if n > 0 and (d + n <= s or s + n <= d) else None
 
 
 class HandedTensor(torch.Tensor):
@@ -157,16 +162,12 @@ class HandedTensor(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # ``non_blocking`` means nothing between two CPU tensors: taken with or without it.
         if func is _COPY and 2 <= len(args) <= 3 and (not kwargs or kwargs.keys() == {"non_blocking"}):
-            dst, src = args[0], args[1]
-            if not _fast(dst, src):
-                return _torchs(cls, func, args, kwargs)
-            helpers = getattr(_local, "helpers", None)
-            if helpers is not None:
-                helpers.copy(dst.data_ptr(), src.data_ptr(), src.nbytes)
-            else:
-                copy_bytes(dst.data_ptr(), src.data_ptr(), src.nbytes)
-            torch.autograd.graph.increment_version(dst)
-            return dst
+            dst = args[0]
+            plain = _plain_copy(dst, args[1])
+            if plain is not None:
+                (getattr(_local, "helpers", None) or _ALONE).copy(*plain)
+                torch.autograd.graph.increment_version(dst)
+                return dst
         return _torchs(cls, func, args, kwargs)
 
 
@@ -188,4 +189,4 @@ def handing() -> type[HandedTensor] | None:
     return HandedTensor if streaming_copy() is not None else None
 
 
-__all__ = ["STREAMING_MIN_BYTES", "HandedTensor", "copies", "handing"]
+__all__ = ["HandedTensor", "copies", "handing"]

@@ -117,6 +117,20 @@ def no_leaks() -> Iterator[None]:
     assert not fds, f"files left open: {fds}"
 
 
+def count_copies(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[int]:
+    """The sizes of the copies ``module`` makes through ``copy_bytes`` from now on, on any thread."""
+    from aload import _ntcopy
+
+    sizes: list[int] = []
+
+    def counted(dst: int, src: int, n: int) -> None:
+        sizes.append(n)
+        _ntcopy.copy_bytes(dst, src, n)
+
+    monkeypatch.setattr(module, "copy_bytes", counted)
+    return sizes
+
+
 def drop_cache(path: Path, offset: int = 0, length: int = 0) -> None:
     """``length`` bytes of ``path`` from ``offset`` (0: to its end) out of the page cache, written
     back first (dirty pages stay). The page cache drops whole folios only (up to 2 MiB here)."""

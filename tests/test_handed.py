@@ -20,25 +20,13 @@ import aload
 from aload import _ntcopy, _threads, handed
 from aload.handed import HandedTensor, copies
 
-from .conftest import drop_cache, hf_llama
+from .conftest import count_copies, drop_cache, hf_llama
 
 MiB = 1 << 20
 
 needs_streaming = pytest.mark.skipif(
     _ntcopy.streaming_copy() is None, reason="no non-temporal copy here (not x86-64 Linux with AVX2)"
 )
-
-
-def count_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the streaming copies ``handed`` makes from now on, on any thread."""
-    sizes: list[int] = []
-
-    def counted(dst: int, src: int, n: int) -> None:
-        sizes.append(n)
-        _ntcopy.copy_bytes(dst, src, n)
-
-    monkeypatch.setattr(handed, "copy_bytes", counted)
-    return sizes
 
 
 def copier_threads() -> list[str]:
@@ -80,7 +68,7 @@ async def test_a_cpu_models_loader_gets_large_tensors_that_copy_past_the_caches(
     path = write(tensors)
     if cache == "cold":
         drop_cache(path)
-    copied = count_copies(monkeypatch)
+    copied = count_copies(monkeypatch, handed)
     model = Recording(tensors)
     await aload.load(model, path)
     for k, v in tensors.items():
@@ -105,7 +93,7 @@ async def test_an_engine_with_fused_projections_loads_the_same_bytes_handed_or_n
     fields = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2)
     fields.update(num_attention_heads=4, num_key_value_heads=2)
     hf_llama(**fields).save_pretrained(tmp_path, safe_serialization=True)
-    copied = count_copies(monkeypatch)
+    copied = count_copies(monkeypatch, handed)
 
     async def loaded() -> dict[str, torch.Tensor]:
         torch.manual_seed(1)
@@ -141,7 +129,7 @@ def handed_tensor(*shape: int, dtype: torch.dtype = torch.float32) -> HandedTens
 
 @needs_streaming
 def test_a_plain_whole_copy_is_the_streaming_copys_and_counts_as_a_change(monkeypatch: pytest.MonkeyPatch) -> None:
-    copied = count_copies(monkeypatch)
+    copied = count_copies(monkeypatch, handed)
     src = handed_tensor(512, 256)  # 512 KiB
     dst = torch.zeros(512, 256)
     version = dst._version
@@ -167,7 +155,7 @@ def test_every_other_call_is_torchs_own_with_plain_results(monkeypatch: pytest.M
     """Copies that convert, broadcast or write a non-contiguous destination, and every other
     call, give what torch gives for a plain tensor, and their results are plain tensors; views
     stay handed."""
-    copied = count_copies(monkeypatch)
+    copied = count_copies(monkeypatch, handed)
     src = handed_tensor(512, 256)
     plain = src.as_subclass(torch.Tensor)
     cases: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -188,7 +176,7 @@ def test_a_copy_torch_refuses_is_refused_the_same_way(monkeypatch: pytest.Monkey
     """Into a leaf that requires grad (with grad on), into an inference tensor outside inference
     mode, and between overlapping memory: torch's own error, nothing copied by the streaming
     copy; under ``no_grad`` the leaf is a plain copy again."""
-    copied = count_copies(monkeypatch)
+    copied = count_copies(monkeypatch, handed)
     src = handed_tensor(512, 256)
     leaf = torch.nn.Parameter(torch.zeros(512, 256))
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):

@@ -34,7 +34,7 @@ from aload.local import WARM_PIECE_BYTES, LocalSource
 from aload.sources import IOPool
 from aload.warmcopy import MAP, PREAD, CopyChoice
 
-from .conftest import collect, drop_cache, llama_like
+from .conftest import collect, count_copies, drop_cache, llama_like
 
 MiB = 1 << 20
 
@@ -1843,18 +1843,6 @@ def test_the_streaming_copy_is_off_where_asked_and_memcpy_copies_then(monkeypatc
     dst = np.zeros(MiB, dtype=np.uint8)
     _ntcopy.copy_bytes(dst.ctypes.data, src.ctypes.data, MiB)
     assert np.array_equal(dst, src)
-
-
-def count_copies(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[int]:
-    """The sizes of the copies ``module`` makes through ``copy_bytes`` from now on."""
-    sizes: list[int] = []
-
-    def counted(dst: int, src: int, n: int) -> None:
-        sizes.append(n)
-        _ntcopy.copy_bytes(dst, src, n)
-
-    monkeypatch.setattr(module, "copy_bytes", counted)
-    return sizes
 
 
 async def test_a_warm_load_copies_past_the_caches_where_it_can_and_gets_the_same_bytes(
