@@ -1745,7 +1745,12 @@ def test_a_read_that_must_not_wait_takes_only_what_the_page_cache_holds(tmp_path
         drop_cache(path)
         if resident(path, 512 << 10, 576 << 10) > 0:
             pytest.skip("the page cache kept the file")
-        assert not _syscalls.read_cached(fd, memoryview(bytearray(64 << 10)), 512 << 10)
+        # A miss starts the kernel's readahead, and a fast disk may finish it within the call
+        # (seen once in CI): then the bytes are there, and they must be the file's.
+        got = bytearray(64 << 10)
+        if _syscalls.read_cached(fd, memoryview(got), 512 << 10):
+            assert got == data[512 << 10 : 576 << 10]
+            assert resident(path, 512 << 10, 576 << 10) == 1.0
     finally:
         os.close(fd)
 
@@ -1773,14 +1778,23 @@ async def test_an_index_and_headers_are_read_on_the_loop_only_from_the_page_cach
         f.read_bytes() if warm else drop_cache(f)
     if not warm and any(cached(f) for f in files):
         pytest.skip("the page cache kept a file")
-    probe = os.open(files[0], os.O_RDONLY)
-    try:
-        if not _syscalls.read_cached(probe, memoryview(bytearray(8)), 0) and warm:
-            pytest.skip("RWF_NOWAIT not taken here")
-    finally:
-        os.close(probe)
+    if warm:  # not when cold: a no-wait read that misses starts the kernel's readahead
+        probe = os.open(files[0], os.O_RDONLY)
+        try:
+            if not _syscalls.read_cached(probe, memoryview(bytearray(8)), 0):
+                pytest.skip("RWF_NOWAIT not taken here")
+        finally:
+            os.close(probe)
     on_thread: list[str] = []
-    real_head, real_small = LocalSource._head, local._small_cached
+    #: per file, whether a no-wait read on the loop gave all it asked for
+    answered: dict[str, bool] = {}
+    real_head, real_small, real_cached = LocalSource._head, local._small_cached, local.read_cached
+
+    def nowait(fd: int, buf: memoryview, offset: int) -> bool:
+        got = real_cached(fd, buf, offset)
+        if threading.current_thread() is threading.main_thread():
+            answered[os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))] = got
+        return got
 
     def head(self: LocalSource, probe: int) -> tuple[int, bytes]:
         assert threading.current_thread() is not threading.main_thread()
@@ -1795,13 +1809,17 @@ async def test_an_index_and_headers_are_read_on_the_loop_only_from_the_page_cach
 
     monkeypatch.setattr(LocalSource, "_head", head)
     monkeypatch.setattr(local, "_small_cached", small)
+    monkeypatch.setattr(local, "read_cached", nowait)
     async with aload.stream(folder) as s:
         got = await collect(s)
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    # Each file read once: on the loop where the page cache gave all of it, else on a thread.
+    on_loop = sorted(name for name, ok in answered.items() if ok)
+    assert sorted(on_loop + on_thread) == sorted(f.name for f in files), (on_loop, on_thread)
     if warm:  # the first header at least within the loop's budget
-        assert "model.safetensors.index.json" not in on_thread and len(on_thread) < 4, on_thread
-    else:
-        assert sorted(on_thread) == sorted(f.name for f in files), on_thread
+        assert "model.safetensors.index.json" in on_loop and len(on_thread) < 4, on_thread
+    elif not on_thread:  # a miss starts readahead, which a fast disk may finish within the call
+        pytest.skip("the kernel's readahead answered every no-wait read")
 
 
 async def test_a_file_read_without_its_mapping_is_decided_without_a_thread(
