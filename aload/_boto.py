@@ -16,23 +16,28 @@ from ._threads import run_in_thread
 from .http import log
 
 _SESSION: Any = None
+_SESSION_LOCK = threading.Lock()
 
 
 def _session() -> Any:
     """One botocore session per process: its loader caches the service models, which take tens of
-    milliseconds to load (on the event loop, inside create_client) the first time only."""
+    milliseconds to load (on the event loop, inside create_client) the first time only. Built
+    on a thread the first time (``warm_session``): its handlers' registration held the event loop
+    5.5-5.7 ms (``benchmarks/loop_stalls.py DIR --source s3://...``)."""
     global _SESSION
-    if _SESSION is None:
-        _SESSION = get_session()
-    return _SESSION
+    with _SESSION_LOCK:
+        if _SESSION is None:
+            _SESSION = get_session()
+        return _SESSION
 
 
 _WARMED = False
 
 
-def _load_models(session: Any) -> None:
-    """Read the JSON files create_client needs into the session loader's cache (a thread's work)."""
-    loader = session.get_component("data_loader")
+def _load_models(session: Any | None = None) -> None:
+    """Read the JSON files create_client needs into the session loader's cache (a thread's work),
+    the session built first where it is not yet."""
+    loader = (session if session is not None else _session()).get_component("data_loader")
     for type_name in ("service-2", "endpoint-rule-set-1"):
         loader.load_service_model("s3", type_name)
     for name in ("endpoints", "partitions", "sdk-default-configuration", "_retry"):
@@ -82,13 +87,12 @@ def warm() -> None:
 
 
 async def warm_session() -> Any:
-    """The session, its models loaded on a thread the first time: the first create_client then
+    """The session, built and its models loaded on a thread the first time: the first create_client then
     held the event loop up to 18-24 ms instead of 82-138 ms (``benchmarks/s3_first_client.py``;
     the rest is building the client, which has to happen on the loop)."""
     global _WARMED
-    session = _session()
     if not _WARMED:
         with contextlib.suppress(Exception):  # only a cache warm-up: create_client loads what is missing
-            await run_in_thread(_load_models, session)
+            await run_in_thread(_load_models)
         _WARMED = True
-    return session
+    return _session()

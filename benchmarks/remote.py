@@ -337,8 +337,9 @@ def main() -> None:
         return
     if shutil.which("nginx") is None:
         raise SystemExit("needs nginx (apt-get install nginx-light)")
-    from benchmarks.suite import make_llama, warm_cache
+    from benchmarks.suite import cache_bytecode, make_llama, warm_cache
 
+    cache_bytecode()
     make_llama(ckpt, a.size_gib)
     names = sorted(p.name for p in ckpt.iterdir())
     shard_names = [n for n in names if n.endswith(".safetensors")]
