@@ -34,10 +34,10 @@ def _session() -> Any:
 _WARMED = False
 
 
-def _load_models(session: Any | None = None) -> None:
+def _load_models() -> None:
     """Read the JSON files create_client needs into the session loader's cache (a thread's work),
     the session built first where it is not yet."""
-    loader = (session if session is not None else _session()).get_component("data_loader")
+    loader = _session().get_component("data_loader")
     for type_name in ("service-2", "endpoint-rule-set-1"):
         loader.load_service_model("s3", type_name)
     for name in ("endpoints", "partitions", "sdk-default-configuration", "_retry"):
@@ -54,8 +54,8 @@ def warm() -> None:
     on a thread of its own, with its own event loop (this may be called inside a running one),
     from fixed dummy credentials and endpoint: nothing is looked up and nothing is contacted."""
     global _WARMED
+    _load_models()
     session = _session()
-    _load_models(session)
     _WARMED = True
 
     async def build_and_close() -> None:
