@@ -1,33 +1,56 @@
-"""One botocore session per process for ``aload.s3``, its S3 models loaded off the event loop,
-and ``warm`` for ``aload.preload``: loading them, and building a first client, took tens of
-milliseconds the first time, on the loop if nobody did it before."""
+"""One botocore session per process for ``aload.s3``, its S3 models loaded and its clients built
+off the event loop, and ``warm`` for ``aload.preload``: loading them, and building a first client,
+took tens of milliseconds the first time, on the loop if nobody did it before."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
+from collections import OrderedDict
 from typing import Any
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
+from botocore.loaders import JSONFileLoader
 
-from ._threads import run_in_thread
+from ._json import loads_paced
+from ._threads import run_in_thread, setup_switches
 from .http import log
 
 _SESSION: Any = None
 _SESSION_LOCK = threading.Lock()
 
 
+class _PacedJSONFileLoader(JSONFileLoader):  # type: ignore[misc]
+    """botocore's JSON file loader, each file decoded with the GIL handed over between pieces
+    (``loads_paced``): at a first S3 load its endpoints (1.25 MB) and S3's model (1.4 MB), one
+    ``json.loads`` each on the thread that loads them, held the event loop 15-27 ms."""
+
+    def _load_file(self, full_path: str, open_method: Any) -> Any:
+        import os
+
+        if not os.path.isfile(full_path):
+            return None
+        with open_method(full_path, "rb") as fp:
+            payload = fp.read().decode("utf-8")
+        return loads_paced(payload, object_pairs_hook=OrderedDict)
+
+
 def _session() -> Any:
     """One botocore session per process: its loader caches the service models, which take tens of
     milliseconds to load (on the event loop, inside create_client) the first time only. Built
-    on a thread the first time (``warm_session``): its handlers' registration held the event loop
-    5.5-5.7 ms (``benchmarks/loop_stalls.py DIR --source s3://...``)."""
+    on a thread the first time (``open_client``): its handlers' registration held the event loop
+    5.5-5.7 ms (``benchmarks/loop_stalls.py DIR --source s3://...``). Its loader decodes its
+    files in pieces (``_PacedJSONFileLoader``), where it is botocore's own kind."""
     global _SESSION
     with _SESSION_LOCK:
         if _SESSION is None:
-            _SESSION = get_session()
+            session = get_session()
+            loader = session.get_component("data_loader")
+            if type(getattr(loader, "file_loader", None)) is JSONFileLoader:
+                loader.file_loader = _PacedJSONFileLoader()
+            _SESSION = session
         return _SESSION
 
 
@@ -49,10 +72,10 @@ def warm() -> None:
     """Load botocore's S3 models now, and build and close one client (see ``aload.preload``).
 
     The client is thrown away: building the process's first one also fills botocore's caches
-    (operation names, compiled patterns), so the first load's client, built on the event loop,
-    held it 7.7-8.5 ms after the models alone were loaded and 3.7-4.6 ms after this. It is built
-    on a thread of its own, with its own event loop (this may be called inside a running one),
-    from fixed dummy credentials and endpoint: nothing is looked up and nothing is contacted."""
+    (operation names, compiled patterns), so the first load's own client (``open_client``) is
+    built the faster. It is built on a thread of its own, with its own event loop (this may be
+    called inside a running one), from fixed dummy credentials and endpoint: nothing is looked
+    up and nothing is contacted."""
     global _WARMED
     _load_models()
     session = _session()
@@ -86,13 +109,39 @@ def warm() -> None:
         log.debug("aload: building a first S3 client at preload failed: %r", failed[0])
 
 
-async def warm_session() -> Any:
-    """The session, built and its models loaded on a thread the first time: the first create_client then
-    held the event loop up to 18-24 ms instead of 82-138 ms (``benchmarks/s3_first_client.py``;
-    the rest is building the client, which has to happen on the loop)."""
+async def open_client(stack: contextlib.AsyncExitStack, args: dict[str, Any]) -> Any:
+    """An S3 client made from ``args`` (``create_client``'s), entered, and closed with ``stack``.
+
+    It is built on a thread, with an event loop of its own, and then used on the caller's: the
+    session, its models (the first time) and the client itself are all made there. Built on the
+    event loop, a process's first client held it 7.7-9 ms even with the models loaded before
+    (hook tables copied, its methods and endpoint rules made). Nothing in the client is bound to
+    the loop it was built on: its HTTP sessions are made at its first request, on the caller's
+    loop; its locks (Python's, >= 3.10) take a loop only once waited on. The first time, one URL
+    is also presigned there (made and signed locally: its patterns compiled and caches filled),
+    as ``warm`` does, so the first load's presigning does not do that on the loop."""
     global _WARMED
-    if not _WARMED:
-        with contextlib.suppress(Exception):  # only a cache warm-up: create_client loads what is missing
-            await run_in_thread(_load_models)
-        _WARMED = True
-    return _session()
+    first = not _WARMED
+
+    def build() -> Any:
+        if first:
+            with contextlib.suppress(Exception):  # only a cache warm-up: create_client loads what is missing
+                _load_models()
+
+        async def enter() -> Any:
+            client = await _session().create_client("s3", **args).__aenter__()
+            if first:
+                with contextlib.suppress(Exception):
+                    await client.generate_presigned_url("get_object", Params={"Bucket": "b", "Key": "k"}, ExpiresIn=60)
+            return client
+
+        return asyncio.run(enter())
+
+    if first:
+        with setup_switches:  # ~0.1 s of Python on that thread: see ``setup_switches``
+            client = await run_in_thread(build)
+    else:
+        client = await run_in_thread(build)
+    _WARMED = True
+    stack.push_async_exit(client)
+    return client

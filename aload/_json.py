@@ -13,6 +13,8 @@ import gc
 import json
 import re
 import threading
+from collections.abc import Callable
+from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
 
 from ._threads import Pacer
@@ -173,6 +175,111 @@ def _object_in_pieces(text: str, at: int, cut: re.Pattern[str]) -> tuple[dict[st
         return None
     out.update(part)
     return out, end
+
+
+def loads_paced(text: str, object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
+    """``json.loads(text, object_pairs_hook=object_pairs_hook)`` of any JSON, with the GIL handed over
+    between pieces: a container of more than ``_JSON_PIECE`` characters is walked a member at a time,
+    smaller ones decoded whole (``_Walk``). For the JSON files botocore reads at a first S3 load
+    (``_boto``): its endpoints (1.25 MB) and S3's model (1.4 MB), one ``json.loads`` each, held
+    the GIL 15-27 ms from their thread, and so the event loop. The walk costs more in all: those
+    two and S3's endpoint rules 69-80 ms against 25-38 whole, its longest C call 0.39-1.35 ms
+    (``python benchmarks/json_pieces.py``, three runs, the fastest of five each). Text the walk
+    does not take is parsed whole, for the exact result or error."""
+    if len(text) <= 2 * _JSON_PIECE:
+        return json.loads(text, object_pairs_hook=object_pairs_hook)
+    walk = _Walk(text, object_pairs_hook)
+    try:
+        value, end = walk.value(_past_ws(text, 0))
+        if _past_ws(text, end) == len(text):
+            return value
+    except (ValueError, IndexError, RecursionError):
+        pass
+    return json.loads(text, object_pairs_hook=object_pairs_hook)
+
+
+_WS_RUN = re.compile(r"[ \t\n\r]*")
+
+
+def _past_ws(text: str, i: int) -> int:
+    """The index of the first character at or after ``i`` that is not JSON's whitespace."""
+    m = _WS_RUN.match(text, i)
+    return m.end() if m is not None else i
+
+
+#: The first slice a container is tried in; then four times the last one's length (copying a
+#: whole piece for each small value cost more than decoding it).
+_FIRST_SLICE = 4096
+
+
+class _Walk:
+    """``value(i)``: the JSON value at ``text[i]`` and the index past it. An object or an array is
+    first decoded from a slice of ``_JSON_PIECE`` characters: one that ends within it comes out
+    whole, from the C decoder, in at most that many characters of work; a longer one fails there
+    and is walked a member at a time instead (keys by the C string scanner, values by ``value``).
+    The result is the whole parse's: the same decoder, the same hook, members in order."""
+
+    __slots__ = ("decode", "hook", "pace", "size", "text")
+
+    def __init__(self, text: str, hook: Callable[[list[tuple[str, Any]]], Any] | None) -> None:
+        self.text, self.hook, self.pace, self.size = text, hook, Pacer(), min(_FIRST_SLICE, _JSON_PIECE)
+        self.decode = json.JSONDecoder(object_pairs_hook=hook).raw_decode
+
+    def value(self, i: int) -> tuple[Any, int]:
+        text = self.text
+        c = text[i]
+        if c != "{" and c != "[":
+            return self.decode(text, i)  # a string, number or literal: decoded where it lies
+        size = self.size
+        while True:
+            try:
+                got, n = self.decode(text[i : i + size])
+                break
+            except ValueError:  # longer than the slice (or not JSON: the walk finds where)
+                if size >= _JSON_PIECE:
+                    return self._object(i) if c == "{" else self._array(i)
+                size = _JSON_PIECE
+        self.size = min(_JSON_PIECE, max(_FIRST_SLICE, 4 * n))
+        self.pace()
+        return got, i + n
+
+    def _object(self, i: int) -> tuple[Any, int]:
+        text, ws = self.text, _past_ws
+        pairs: list[tuple[str, Any]] = []
+        i = ws(text, i + 1)
+        if text[i] != "}":
+            while True:
+                if text[i] != '"':
+                    raise ValueError(f"expected a key at {i}")
+                key, i = scanstring(text, i + 1)
+                i = ws(text, i)
+                if text[i] != ":":
+                    raise ValueError(f"expected ':' at {i}")
+                v, i = self.value(ws(text, i + 1))
+                pairs.append((key, v))
+                i = ws(text, i)
+                if text[i] != ",":
+                    break
+                i = ws(text, i + 1)
+            if text[i] != "}":
+                raise ValueError(f"expected ',' or '}}' at {i}")
+        return (self.hook(pairs) if self.hook is not None else dict(pairs)), i + 1
+
+    def _array(self, i: int) -> tuple[list[Any], int]:
+        text, ws = self.text, _past_ws
+        out: list[Any] = []
+        i = ws(text, i + 1)
+        if text[i] != "]":
+            while True:
+                v, i = self.value(i)
+                out.append(v)
+                i = ws(text, i)
+                if text[i] != ",":
+                    break
+                i = ws(text, i + 1)
+            if text[i] != "]":
+                raise ValueError(f"expected ',' or ']' at {i}")
+        return out, i + 1
 
 
 def _may_hide_duplicates(raw: bytes, obj: Any) -> bool:

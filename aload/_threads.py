@@ -102,6 +102,57 @@ def start_read_thread(by: int, cores: list[int] | None) -> None:
             pass
 
 
+#: The interpreter's switch interval while a process's first remote load imports its client and
+#: builds it on a thread (``setup_switches``): that thread runs Python for hundreds of ms (modules
+#: executed, botocore's handlers registered and its client built), and Python lets a thread that
+#: asks for the GIL wait a whole switch interval (5 ms by default) before it takes it from one that
+#: runs Python. A first ``s3://`` load (2 GiB, three fresh processes) left the event loop over 5 ms
+#: late 5-8 times in that set-up at 5 ms, none at 1 ms (``benchmarks/loop_stalls.py DIR --source
+#: s3://...``, ``--switch-interval`` to compare). Python's is put back when the last set-up ends,
+#: unless somebody changed it meanwhile. ``ALOAD_SETUP_SWITCH_INTERVAL=0`` leaves it alone.
+SETUP_SWITCH_S = 0.001
+SETUP_SWITCH_ENV = "ALOAD_SETUP_SWITCH_INTERVAL"
+
+
+class _SetupSwitches:
+    """``with setup_switches:`` the switch interval is ``SETUP_SWITCH_S`` (or the environment's)
+    meanwhile, where that is shorter than the process's; set-ups at once on several threads nest."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._before: float | None = None  # Python's, to put back
+        self._ours: float | None = None  # what was set, as Python reads it back
+
+    def __enter__(self) -> None:
+        said = os.environ.get(SETUP_SWITCH_ENV)
+        try:
+            want = SETUP_SWITCH_S if said is None else float(said)
+        except ValueError:
+            raise UsageError(
+                f"{SETUP_SWITCH_ENV} must be a number of seconds (0: leave Python's), got {said!r}"
+            ) from None
+        with self._lock:
+            self._depth += 1
+            if self._depth > 1:
+                return
+            before = sys.getswitchinterval()
+            if 0 < want < before:
+                sys.setswitchinterval(want)
+                self._before, self._ours = before, sys.getswitchinterval()
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and self._before is not None:
+                if sys.getswitchinterval() == self._ours:  # nobody else changed it meanwhile
+                    sys.setswitchinterval(self._before)
+                self._before = self._ours = None
+
+
+setup_switches = _SetupSwitches()
+
+
 class LoopBudget:
     """Short blocking-free work done right on the event loop, where a trip to a thread would cost
     more (a local file's index, headers and page-cache look), up to ``PAUSE_AFTER_S`` of it per

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from . import wire
-from ._threads import run_in_thread
+from ._threads import run_in_thread, setup_switches
 from .errors import SourceError, UsageError
 from .sources import Source, Store
 
@@ -351,7 +351,8 @@ class HttpStore(Store):
     async def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             if "aiohttp" not in sys.modules:  # ~150 ms of imports holding the GIL: not on the loop
-                await run_in_thread(importlib.import_module, "aiohttp")
+                with setup_switches:
+                    await run_in_thread(importlib.import_module, "aiohttp")
                 if self._session is not None:  # another request made it meanwhile
                     return self._session
             import aiohttp

@@ -28,8 +28,8 @@ from aiobotocore.config import AioConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from . import wire
+from ._boto import open_client
 from ._boto import warm as warm  # aload.preload("s3") calls it
-from ._boto import warm_session
 from ._threads import run_in_thread
 from .errors import SourceError, UsageError
 from .http import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, RETRY_STATUS, backoff, check_content_range, log, probe_last
@@ -293,6 +293,7 @@ class S3Store(Store):
         }
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Any = None
+        self._client_lock = asyncio.Lock()  # one client, however many reads ask for it first
         self._sources: dict[str, S3Source] = {}
         self._concurrency, self._timeout = concurrency, timeout
         self._https = not endpoint or endpoint.lower().startswith("https")
@@ -327,9 +328,11 @@ class S3Store(Store):
 
     async def client(self) -> Any:
         if self._client is None:
-            self._stack = contextlib.AsyncExitStack()
-            session = await warm_session()
-            self._client = await self._stack.enter_async_context(session.create_client("s3", **self._client_args))
+            async with self._client_lock:
+                if self._client is None:
+                    stack = contextlib.AsyncExitStack()
+                    self._client = await open_client(stack, self._client_args)
+                    self._stack = stack
         return self._client
 
     def _key(self, name: str) -> str:

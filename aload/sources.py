@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from ._pool import ReadThreads
-from ._threads import read_cores, read_nice, run_in_thread, start_read_thread
+from ._threads import read_cores, read_nice, run_in_thread, setup_switches, start_read_thread
 from .errors import UsageError
 
 T = TypeVar("T")
@@ -246,7 +246,8 @@ async def import_store(url: str) -> None:
     first ``http://`` or ``s3://`` load. (``open_store`` then finds it imported.)"""
     module_name = _store_target(url)[0]
     if module_name not in sys.modules:
-        with contextlib.suppress(ImportError):  # open_store reports it, naming the extra to install
+        # open_store reports an ImportError, naming the extra to install
+        with setup_switches, contextlib.suppress(ImportError):
             await run_in_thread(importlib.import_module, module_name)
 
 

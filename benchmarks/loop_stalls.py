@@ -2,7 +2,7 @@
 docs/benchmarks.md come from.
 
     python benchmarks/loop_stalls.py CHECKPOINT_DIR [--load-weights | --stream] [--cold | --partial] [--late-ms 3]
-        [--source URL [--preload]]
+        [--source URL [--preload]] [--switch-interval S]
 
 ``--source`` loads the same checkpoint from a URL instead (``http(s)://`` or ``s3://``, with the
 endpoint and credentials from the usual AWS variables), the model still built from the folder;
@@ -15,7 +15,8 @@ looks every 0.5 ms; when the ticker is more than ``--late-ms`` late, it records 
 stack and the stack of every other thread that is not idle in a pool, so a stall shows what held
 the loop up: the GIL held by Python on another thread, a thread start (``Thread.start`` waits for
 the new thread), a lock, or no core free. One line per stall: milliseconds since the load began,
-how late, the loop thread's innermost frames; then the busy threads. Python's profilers do not
+how late, the loop thread's innermost frames; then the busy threads; then every garbage
+collection that took longer than ``--late-ms``, on whichever thread it ran. Python's profilers do not
 show these (the loop thread is not running, it is waiting). As in the suite, the model is built
 and then ``gc.collect()`` runs before the load (``--no-gc-collect``: not), or the full collection
 that building it left due falls in the load (92-118 ms on the loop, first tensor 126-155 ms
@@ -74,7 +75,10 @@ def main() -> None:
         default=True,
         help="gc.collect() after building the model, as the suite does (default)",
     )
+    ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval first (default: Python's, 0.005 s)")
     a = ap.parse_args()
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
 
     import torch
 
@@ -114,6 +118,17 @@ def main() -> None:
             while time.perf_counter() - last[0] > a.late_ms / 1e3 and not stop.is_set():
                 time.sleep(0.0005)  # one record per stall
 
+    collections: list[tuple[float, int, float, str]] = []  # at, generation, ms, thread
+    began: list[float] = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        elif t0[0] and (took := time.perf_counter() - began[0]) * 1e3 > a.late_ms:
+            collections.append((began[0] - t0[0], info["generation"], took, threading.current_thread().name))
+
+    gc.callbacks.append(on_gc)
+
     async def run() -> Any:
         async def tick() -> None:
             while True:
@@ -143,6 +158,8 @@ def main() -> None:
         print(f"{at * 1e3:8.1f} ms  {late * 1e3:5.1f} ms late  loop: {loop_stack}")
         for b in busy:
             print(f"{'':26}busy: {b}")
+    for at, gen, took, thread in collections:  # the collector holds the GIL: a stall on any thread
+        print(f"{at * 1e3:8.1f} ms  garbage collection of generation {gen}: {took * 1e3:.1f} ms, on {thread}")
 
 
 if __name__ == "__main__":

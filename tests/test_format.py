@@ -259,6 +259,85 @@ def test_an_index_decoded_in_pieces_is_exactly_the_whole_decode(
     assert len(sizes) > 2 and max(sizes) < len(text) / 2 and max(sizes) <= 2 * piece + 200, (len(text), sizes)
 
 
+ANY_JSON = [
+    {"a": [1, 2.5, -3e-7, True, False, None, "x"], "b": {"c": {"d": [[], {}, [{}], {"e": []}]}}},
+    [{"k": "v" * 40, "n": [i, str(i), {"i": i}]} for i in range(30)],
+    {"ünï": {"名前": '\u00e9\n"q"', "esc\\": ["]", "}", ",", ":", "\\"]}, "z": 0},
+    {"deep": [[[[[[{"x": [1, [2, [3, [4, {"y": "}]"}]]]]}]]]]]], "after": "ok"},
+    {"big": {f"k{i}": {"v": list(range(i % 7)), "s": "s" * (i % 50)} for i in range(60)}},
+    {"dup": 1, "x": {"dup": 1, "dup ": 2}, "dup ": 3},
+]
+
+
+@pytest.mark.parametrize("piece", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("indent", [None, 0, 2])
+def test_any_json_decoded_in_pieces_is_exactly_the_whole_decode(
+    monkeypatch: pytest.MonkeyPatch, piece: int, indent: int | None
+) -> None:
+    """``loads_paced`` (botocore's files at a first S3 load): however small the pieces, the same
+    values, types and order as one ``json.loads`` with the same hook, a key given twice kept
+    last; invalid text fails as it would whole; no slice decoded at once is longer than a piece."""
+    from collections import OrderedDict
+
+    from aload import _json as js
+
+    monkeypatch.setattr(js, "_JSON_PIECE", piece)
+    monkeypatch.setattr(js, "_FIRST_SLICE", max(1, piece // 4))
+    texts = [json.dumps(obj, indent=indent, ensure_ascii=indent == 2) for obj in ANY_JSON]
+    texts += ['{"dup": 1, "a": [1, 2], "dup": {"b": 2}}', ' \n [ 1 , { "a" : [ ] } , "x" ] \n ']
+    bad = [t[:-1] for t in texts] + [t + "x" for t in texts] + [t + "{}" for t in texts]
+    bad += [
+        '{"a": [1, 2,], "b": ' + "1" * 40 + "}",
+        '[{"a": 1}, {"b": 2}' + " " * 40,
+        '{"a" 1, "b": "' + "x" * 40 + '"}',
+    ]
+    for text in texts + bad:
+        for hook in (None, OrderedDict):
+            want, got = _both_ways(lambda t, hook=hook: js.loads_paced(t, object_pairs_hook=hook), text)
+            if want is not ValueError:
+                assert _types(got) == _types(json.loads(text, object_pairs_hook=hook)), text
+
+    slices: list[int] = []
+    walk = js._Walk(texts[4], OrderedDict)
+    decode = walk.decode
+
+    def recorded(text: str, at: int = 0) -> Any:
+        if at == 0:
+            slices.append(len(text))
+        return decode(text, at)
+
+    walk.decode = recorded  # type: ignore[method-assign]
+    assert walk.value(0)[0] == json.loads(texts[4], object_pairs_hook=OrderedDict)
+    assert slices and max(slices) <= max(piece, 2), slices
+
+
+def _types(value: Any) -> Any:
+    """The value with each container's type beside it, keys in order: equal only if those are."""
+    if isinstance(value, dict):
+        return (type(value), [(k, _types(v)) for k, v in value.items()])
+    if isinstance(value, list):
+        return (list, [_types(v) for v in value])
+    return (type(value), value)
+
+
+def test_botocores_json_files_decode_in_pieces_as_they_do_whole() -> None:
+    """The files a first S3 load reads, through the session's loader (``_PacedJSONFileLoader``):
+    the same data as botocore's own loader gives."""
+    pytest.importorskip("aiobotocore")
+    from botocore.loaders import JSONFileLoader, create_loader
+
+    from aload import _boto
+
+    loader = _boto._session().get_component("data_loader")
+    assert type(loader.file_loader) is _boto._PacedJSONFileLoader
+    plain = create_loader()
+    assert type(plain.file_loader) is JSONFileLoader
+    for name in ("endpoints", "partitions"):
+        assert _types(loader.file_loader.load_file(plain.load_data_with_path(name)[1])) == _types(plain.load_data(name))
+    model = plain.load_service_model("s3", "service-2")
+    assert _types(loader.load_service_model("s3", "service-2")) == _types(model)
+
+
 async def test_a_large_header_is_decoded_a_piece_at_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: Callable[..., Path]
 ) -> None:

@@ -244,26 +244,43 @@ async def test_a_first_s3_load_builds_botocores_session_off_the_event_loop(
     s3: dict[str, Any], sharded: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without ``aload.preload``, the process's first S3 load builds botocore's session (its
-    handlers' registration held the loop 5.5-5.7 ms) and loads its models on a thread, once."""
-    from aload import _boto
+    handlers' registration held the loop 5.5-5.7 ms) and loads its models on a thread, once;
+    every load builds its client on a thread too (7.7-9 ms on the loop), the first one with
+    the switch interval shortened meanwhile and Python's put back after."""
+    import sys
+
+    from aload import _boto, _threads
 
     monkeypatch.setattr(_boto, "_SESSION", None)
     monkeypatch.setattr(_boto, "_WARMED", False)
     on_loop: list[bool] = []
+    built: list[tuple[bool, float]] = []  # on the loop's thread?, the switch interval then
     real = _boto.get_session
 
     def get_session() -> Any:
         on_loop.append(threading.current_thread() is threading.main_thread())
-        return real()
+        session = real()
+        create = session.create_client
+
+        def create_client(*args: Any, **kwargs: Any) -> Any:
+            built.append((threading.current_thread() is threading.main_thread(), sys.getswitchinterval()))
+            return create(*args, **kwargs)
+
+        session.create_client = create_client
+        return session
 
     monkeypatch.setattr(_boto, "get_session", get_session)
     tensors = llama_like(hidden=64)
     folder = sharded(tensors, 2)
     upload(s3["client"], folder, "first")
+    python_s = sys.getswitchinterval()
     for _ in range(2):
         got = await collect(aload.stream(f"s3://{BUCKET}/first/", **s3["opts"]))
         assert set(got) == set(tensors) and all(torch.equal(got[k], v) for k, v in tensors.items())
+        assert sys.getswitchinterval() == python_s
     assert on_loop == [False] and _boto._WARMED
+    assert len(built) == 2 and not any(loop for loop, _ in built)
+    assert built[0][1] == pytest.approx(_threads.SETUP_SWITCH_S) and built[1][1] == python_s
 
 
 async def test_a_proxy_from_the_environment_carries_every_call(
