@@ -106,10 +106,11 @@ def start_read_thread(by: int, cores: list[int] | None) -> None:
 #: builds it on a thread (``setup_switches``): that thread runs Python for hundreds of ms (modules
 #: executed, botocore's handlers registered and its client built), and Python lets a thread that
 #: asks for the GIL wait a whole switch interval (5 ms by default) before it takes it from one that
-#: runs Python. A first ``s3://`` load (2 GiB, three fresh processes) left the event loop over 5 ms
-#: late 5-8 times in that set-up at 5 ms, none at 1 ms (``benchmarks/loop_stalls.py DIR --source
-#: s3://...``, ``--switch-interval`` to compare). Python's is put back when the last set-up ends,
-#: unless somebody changed it meanwhile. ``ALOAD_SETUP_SWITCH_INTERVAL=0`` leaves it alone.
+#: runs Python. A first ``s3://`` load (2 GiB, fresh processes) left the event loop 5.1-7.9 ms
+#: late 3-7 times in that set-up at 5 ms (three runs), never over 5 ms with this (nine runs;
+#: ``benchmarks/loop_stalls.py DIR --source s3://...``, ``--switch-interval`` to compare).
+#: Python's is put back when the last set-up ends, unless somebody changed it meanwhile.
+#: ``ALOAD_SETUP_SWITCH_INTERVAL=0`` leaves it alone.
 SETUP_SWITCH_S = 0.001
 SETUP_SWITCH_ENV = "ALOAD_SETUP_SWITCH_INTERVAL"
 
