@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -28,8 +29,6 @@ class _PacedJSONFileLoader(JSONFileLoader):  # type: ignore[misc]
     ``json.loads`` each on the thread that loads them, held the event loop 15-27 ms."""
 
     def _load_file(self, full_path: str, open_method: Any) -> Any:
-        import os
-
         if not os.path.isfile(full_path):
             return None
         with open_method(full_path, "rb") as fp:
@@ -137,10 +136,8 @@ async def open_client(stack: contextlib.AsyncExitStack, args: dict[str, Any]) ->
 
         return asyncio.run(enter())
 
-    if first:
-        with setup_switches:  # ~0.1 s of Python on that thread: see ``setup_switches``
-            client = await run_in_thread(build)
-    else:
+    # the first time, ~0.1 s of Python on that thread: see ``setup_switches``
+    with setup_switches if first else contextlib.nullcontext():
         client = await run_in_thread(build)
     _WARMED = True
     stack.push_async_exit(client)
