@@ -212,7 +212,9 @@ def paced(items: Iterable[T], check_every: int = CHECK_EVERY) -> Iterator[T]:
     (the kernel's timer slack), hence a pause per so much time and not per so many items: per
     256 items it cost ~2 us per tensor on 20,000 tensors, per ~2 ms the loop was late 5-6 ms
     again (see ``PACE_S``). A cheaper hand-over, ``os.sched_yield()`` (~1 us), does not hand it
-    over at all: the waiting thread is not awake yet when this one takes the GIL back."""
+    over at all: the waiting thread is not awake yet when this one takes the GIL back. Nor does
+    the same sleep with the thread's timer slack at 1 ns (``prctl``; 7-9 us instead of ~57): the
+    loop ticked 1-9 times in 0.5-0.8 s, 200-250 ms late (``benchmarks/pacing.py``, 2026-12-05)."""
     pace = Pacer()
     for i, item in enumerate(items, 1):
         yield item
