@@ -136,8 +136,10 @@ async def open_client(stack: contextlib.AsyncExitStack, args: dict[str, Any]) ->
 
         return asyncio.run(enter())
 
-    # the first time, ~0.1 s of Python on that thread: see ``setup_switches``
-    with setup_switches if first else contextlib.nullcontext():
+    # Python on that thread, ~0.1 s the first time and 10-20 ms later: see ``setup_switches``.
+    # (Later builds at Python's 5 ms, after ``aload.preload``: the loop 6.2-8.1 ms late once a
+    # load, 3 of 3 runs of ``benchmarks/loop_stalls.py DIR --source s3://... --preload``.)
+    with setup_switches:
         client = await run_in_thread(build)
     _WARMED = True
     stack.push_async_exit(client)

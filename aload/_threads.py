@@ -103,8 +103,9 @@ def start_read_thread(by: int, cores: list[int] | None) -> None:
 
 
 #: The interpreter's switch interval while a process's first remote load imports its client and
-#: builds it on a thread (``setup_switches``): that thread runs Python for hundreds of ms (modules
-#: executed, botocore's handlers registered and its client built), and Python lets a thread that
+#: builds it on a thread, and while any later S3 client is built (``setup_switches``): that thread
+#: runs Python for hundreds of ms the first time (modules executed, botocore's handlers registered
+#: and its client built), 10-20 ms later, and Python lets a thread that
 #: asks for the GIL wait a whole switch interval (5 ms by default) before it takes it from one that
 #: runs Python. A first ``s3://`` load (2 GiB, fresh processes) left the event loop 5.1-7.9 ms
 #: late 3-7 times in that set-up at 5 ms (three runs), never over 5 ms with this (nine runs;

@@ -13,6 +13,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import gc
 import importlib
 import sys
 import threading
@@ -251,19 +252,27 @@ async def import_store(url: str) -> None:
             await run_in_thread(importlib.import_module, module_name)
 
 
-def preload(*schemes: str) -> None:
+def preload(*schemes: str, collect: bool = True) -> None:
     """Import the clients of these URL schemes (``"http"``, ``"https"``, ``"s3"``; all of them if
     none is named) and load what their first use loads, now, before returning (S3: its models,
     and one client built, used and closed on a thread of its own: ~0.35 s). A serving
     process calls it at start-up, before its event loop serves anything: otherwise its first
     remote load imports them on a thread meanwhile, holding the GIL: a first S3 load left the
     loop over 4 ms late 8-9 times, the worst 54-76 ms, against 1-5 times and 6.8-8.7 ms after
-    this (``python benchmarks/loop_stalls.py DIR --source s3://... [--preload]``)."""
+    this (``python benchmarks/loop_stalls.py DIR --source s3://... [--preload]``).
+
+    ``collect``: then run a full garbage collection (``gc.collect()``), here rather than in the
+    first load. What the imports leave makes one due: without it, a preloaded process's first
+    S3 load had a collection of the whole process in it, 104-116 ms holding the GIL (and so
+    the event loop), in 3 of 3 runs of that benchmark with ``--preload``. ``False`` leaves the
+    collector alone."""
     for scheme in schemes or tuple(s for s in STORES if s not in ("", "file")):
         module = _store_module(f"{scheme}://x")[0]
         warm = getattr(module, "warm", None)
         if warm is not None:
             warm()
+    if collect:
+        gc.collect()
 
 
 class IOPool:
