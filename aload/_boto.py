@@ -137,8 +137,9 @@ async def open_client(stack: contextlib.AsyncExitStack, args: dict[str, Any]) ->
         return asyncio.run(enter())
 
     # Python on that thread, ~0.1 s the first time and 10-20 ms later: see ``setup_switches``.
-    # (Later builds at Python's 5 ms, after ``aload.preload``: the loop 6.2-8.1 ms late once a
-    # load, 3 of 3 runs of ``benchmarks/loop_stalls.py DIR --source s3://... --preload``.)
+    # (Until stop 59 only the first build had it: after ``aload.preload``, a load's own build at
+    # Python's 5 ms left the loop 6.2-8.1 ms late once a load, 3 of 3 runs of
+    # ``benchmarks/loop_stalls.py DIR --source s3://... --preload``.)
     with setup_switches:
         client = await run_in_thread(build)
     _WARMED = True

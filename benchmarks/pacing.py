@@ -26,11 +26,15 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# aload's own pace (the loop below is ``Pacer``'s, timed per pause)
+from aload._threads import CHECK_EVERY, PACE_S
+
 WAYS = ("none", "sleep(0)", "sleep(0), slack 1 ns", "switch 0.5 ms")
-PACE_S = 0.0005  # aload._threads.PACE_S
-CHECK_EVERY = 64  # aload._threads.CHECK_EVERY
 PR_SET_TIMERSLACK = 29
 
 
