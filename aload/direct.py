@@ -26,10 +26,13 @@ from .errors import SourceError
 #: 7.7-9.2 ms with 16. Since reads yield their core (``aload.local``), 8 in flight beat 4 in 14 of
 #: 16 alternating pairs of cold 4 and 8 GiB loads, built-in and through ``load_weights`` (8 GiB
 #: built-in 4.60-5.60 s against 4.68-7.59; p99 lateness 1.1-2.4 ms against 1.1-2.8); 12 no better
-#: than 8 (docs/benchmarks.md). The reads in flight are ``max(concurrency, DIRECT_DEPTH)``:
-#: ``concurrency`` raises it for a deeper device.
+#: than 8 (docs/benchmarks.md). On the Intel host of stop 55 on (its disk ~1.7-2.4 GB/s cold), 16
+#: beat 8 in 6 of 8 alternating pairs of cold 8 GiB built-in loads (medians 1.85-1.92 GB/s
+#: against 1.76-1.77; loop lateness p99 1.1-1.2 ms either way), where Run:ai's streamer keeps ~55
+#: reads of 4 MiB in flight and aload kept 7.7 (``benchmarks/disk_queue.py``). The reads in flight
+#: are ``max(concurrency, DIRECT_DEPTH)``: ``concurrency`` raises it for a deeper device.
 DIRECT_PIECE_BYTES = 1 << 20
-DIRECT_DEPTH = 8
+DIRECT_DEPTH = 16
 #: Reads smaller than this (headers, coalesced small tensors) stay buffered, even from a cold file.
 O_DIRECT_MIN_BYTES = 256 << 10
 ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses in multiples of the block size
