@@ -73,7 +73,8 @@ def main() -> None:
     total = sum(p.stat().st_size for p in shards(a.folder))
     want = int(total * 0.98) // SECTOR
     loaders = a.loaders.split(",")
-    child(loaders[0], a.folder, a.runai_concurrency, "cold")  # untimed, as the suite's first cold load
+    concurrency = {ld: a.runai_concurrency if ld == "runai_best" else None for ld in loaders}
+    child(loaders[0], a.folder, concurrency[loaders[0]], "cold")  # untimed, as the suite's first cold load
     got: dict[str, list[tuple[float, ...]]] = {ld: [] for ld in loaders}
     print(f"{dev.name}: {a.folder} ({total / 1e9:.2f} GB), cold")
     print("loader            GB/s  window s  device GB/s  in flight  idle  read KiB")
@@ -83,7 +84,7 @@ def main() -> None:
             stop = threading.Event()
             t = threading.Thread(target=sample, args=(dev, stop, samples), daemon=True)
             t.start()
-            row = child(ld, a.folder, a.runai_concurrency if ld == "runai_best" else None, "cold")
+            row = child(ld, a.folder, concurrency[ld], "cold")
             stop.set()
             t.join()
             span = window(samples, want)
