@@ -1,6 +1,6 @@
 """How each loader keeps the disk busy on a cold load: the block device's reads in flight and
-their size, sampled while the suite's cold runs go (docs/benchmarks.md, "Cold rows at the
-disk's ceiling").
+their size, sampled while the suite's cold runs go (docs/benchmarks.md, "Five repetitions, and
+the cold rows at the disk's pace").
 
     python benchmarks/disk_queue.py CHECKPOINT_DIR [--loaders aload,runai,runai_best]
         [--runai-concurrency 16] [--reps 2]
@@ -29,6 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.suite import child, shards
 
 SECTOR = 512
+HEADER = "loader            GB/s  window s  device GB/s  in flight  idle  read KiB"
+
+
+def line(loader: str, g: float, secs: float, dev_gbps: float, in_flight: float, idle: float, kib: float) -> str:
+    return f"{loader:<16} {g:5.2f}  {secs:8.2f}  {dev_gbps:11.2f}  {in_flight:9.1f}  {idle:4.0%}  {kib:8.0f}"
 
 
 def device_dir(folder: Path) -> Path:
@@ -77,7 +82,7 @@ def main() -> None:
     child(loaders[0], a.folder, concurrency[loaders[0]], "cold")  # untimed, as the suite's first cold load
     got: dict[str, list[tuple[float, ...]]] = {ld: [] for ld in loaders}
     print(f"{dev.name}: {a.folder} ({total / 1e9:.2f} GB), cold")
-    print("loader            GB/s  window s  device GB/s  in flight  idle  read KiB")
+    print(HEADER)
     for rep in range(a.reps):
         for ld in loaders if rep % 2 == 0 else loaders[::-1]:
             samples: list[tuple[float, int, int, int]] = []
@@ -93,23 +98,21 @@ def main() -> None:
                 continue
             w = samples[span[0] : span[1] + 1]
             secs = w[-1][0] - w[0][0]
-            reads = max(1, w[-1][3] - w[0][3])
+            read = (w[-1][2] - w[0][2]) * SECTOR
             figures = (
                 row["gbps"],
                 secs,
-                (w[-1][2] - w[0][2]) * SECTOR / secs / 1e9,
+                read / secs / 1e9,
                 statistics.fmean(s[1] for s in w),
                 sum(s[1] == 0 for s in w) / len(w),
-                (w[-1][2] - w[0][2]) * SECTOR / reads / 1024,
+                read / max(1, w[-1][3] - w[0][3]) / 1024,
             )
             got[ld].append(figures)
-            g, s, dg, fl, idle, kib = figures
-            print(f"{ld:<16} {g:5.2f}  {s:8.2f}  {dg:11.2f}  {fl:9.1f}  {idle:4.0%}  {kib:8.0f}", flush=True)
+            print(line(ld, *figures), flush=True)
     print("medians:")
     for ld, rows in got.items():
         if rows:
-            g, s, dg, fl, idle, kib = (statistics.median(col) for col in zip(*rows, strict=True))
-            print(f"{ld:<16} {g:5.2f}  {s:8.2f}  {dg:11.2f}  {fl:9.1f}  {idle:4.0%}  {kib:8.0f}")
+            print(line(ld, *(statistics.median(col) for col in zip(*rows, strict=True))))
 
 
 if __name__ == "__main__":
