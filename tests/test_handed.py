@@ -217,6 +217,40 @@ def test_the_helpers_copy_every_byte_of_a_split_copy_and_end(n: int) -> None:
     assert copier_threads() == []
 
 
+def test_each_piece_of_a_copy_goes_in_steps_offering_the_core_between_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A piece copied whole kept its core for tens of ms, the event loop woken beside it waiting
+    for the scheduler's next tick: each thread copies ``COPY_STEP_BYTES`` at a time and yields."""
+    steps: list[tuple[int, int]] = []  # (thread, bytes)
+    yields: list[int] = []
+    real_copy, real_yield = handed.copy_bytes, os.sched_yield
+
+    def copy(dst: int, src: int, n: int) -> None:
+        steps.append((threading.get_ident(), n))
+        real_copy(dst, src, n)
+
+    def sched_yield() -> None:
+        yields.append(threading.get_ident())
+        real_yield()
+
+    monkeypatch.setattr(handed, "copy_bytes", copy)
+    monkeypatch.setattr(os, "sched_yield", sched_yield)
+    n = 5 * handed.COPY_STEP_BYTES + 12345  # two pieces, of 2.5 steps each (rounded to pages)
+    src = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros(n, dtype=np.uint8)
+    helpers = handed._Helpers(2)
+    try:
+        helpers.copy(dst.ctypes.data, src.ctypes.data, n)
+    finally:
+        helpers.close()
+    assert np.array_equal(dst, src)
+    assert max(k for _, k in steps) == handed.COPY_STEP_BYTES and sum(k for _, k in steps) == n
+    by_thread = {t: [k for u, k in steps if u == t] for t, _ in steps}
+    assert len(by_thread) == 2 and all(len(ks) == 3 for ks in by_thread.values())  # 2.5 steps: 3 copies each
+    assert sorted(yields) == sorted(
+        t for t, ks in by_thread.items() for _ in ks[1:]
+    )  # between steps, not after the last
+
+
 def test_a_helpers_error_is_raised_by_the_copy_after_every_piece_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
     """A piece that fails on a helper fails the copy, once all pieces are back (none still
     writing into the destination when the caller goes on)."""
