@@ -1,20 +1,29 @@
-"""aload: stream safetensors checkpoints into PyTorch models with asyncio."""
+"""aload: stream safetensors checkpoints into PyTorch models with asyncio.
 
-# The local store comes with aload (the common case: its first load then imports nothing on a
-# thread while the loop runs); the remote ones are imported when first used.
-from . import local, stages  # noqa: F401
-from .bridge import LoadCancelled
-from .checkpoint import Checkpoint, Shard, open
+The flow, one subpackage each: ``format`` (what a checkpoint is) -> ``sources`` (where its
+bytes come from) -> ``read`` (plan and budgeted reader) -> ``stages`` -> ``stream`` ->
+``load`` (the bridge to ``model.load_weights`` and post-processing)."""
+
+from . import stages
 from .errors import AloadError, CheckpointError, HeaderError, LoadError, SourceError, UsageError
-from .format import TensorSpec
-from .install import Installed, Loader
-from .loader import LoadReport, load, load_sync
-from .pipeline import TensorStream, stream
-from .reader import Progress, ReaderStats
-from .sources import preload
+from .format import Checkpoint, Shard, TensorSpec
+from .load import Installed, LoadCancelled, Loader, LoadReport, load, load_sync
+from .read import Progress, ReaderStats
+from .sources import Opening, open_checkpoint
+from .stream import TensorStream, stream
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
+
+def open(url: str, *, concurrency: int | None = None, **options: object) -> Opening:
+    """Open the checkpoint at ``url`` (a path, ``file://``, ``http(s)://`` or ``s3://``), reading
+    only its index and headers: ``await aload.open(url)`` or ``async with aload.open(url) as ckpt``."""
+    from .read import DEFAULT_CONCURRENCY
+
+    return Opening(open_checkpoint(str(url), concurrency=concurrency or DEFAULT_CONCURRENCY, **options))
+
+
+# ``open`` is left out of ``__all__``: ``from aload import *`` must not shadow the built-in.
 __all__ = [
     "AloadError",
     "Checkpoint",
@@ -34,8 +43,6 @@ __all__ = [
     "UsageError",
     "load",
     "load_sync",
-    "open",
-    "preload",
     "stages",
     "stream",
 ]

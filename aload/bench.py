@@ -18,11 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._threads import READ_NICE_ENV, READ_PIN_ENV, run_in_thread
 from .errors import UsageError
-from .local import READ_ENV, cached_share, evict, is_local, read_mode
-from .pipeline import stream
-from .reader import Progress, first_tensor
+from .read import Progress, first_tensor
+from .sources.local import cached, evict, is_local
+from .stream import stream
 
 
 def read_status(field_name: str, path: str = "/proc/self/status") -> int:
@@ -41,8 +40,7 @@ def read_status(field_name: str, path: str = "/proc/self/status") -> int:
 def stolen_s() -> float | None:
     """CPU time the hypervisor has taken from this machine's CPUs since boot, all of them
     together (``steal`` in ``/proc/stat``), in seconds; None where it is not known (not Linux, an
-    old kernel). A VM's vCPUs wait while the host runs something else, and a load's figures swing
-    with it: on this project's VM a busy 2-core guest lost up to ~1 s of CPU a second."""
+    old kernel). A VM's vCPUs wait while the host runs something else, and figures swing with it."""
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
@@ -51,11 +49,8 @@ def stolen_s() -> float | None:
         return None
 
 
-#: Environment variables that change how fast a load runs, named in ``host()`` where set: aload's
-#: read mode, its read threads' priority and cores, and glibc's tunables (its threshold for non-temporal
-#: stores changed warm loads through ``load_weights`` here, whose ``copy_()`` reads the file's
-#: mapping: docs/benchmarks.md, "This host").
-HOST_ENV = (READ_ENV, READ_NICE_ENV, READ_PIN_ENV, "GLIBC_TUNABLES")
+#: Environment variables that change how fast a load runs, named in ``host()`` where set.
+HOST_ENV = ("ALOAD_READ", "GLIBC_TUNABLES")
 
 
 @functools.cache
@@ -83,9 +78,7 @@ def _host(packages: tuple[str, ...]) -> dict[str, Any]:
 
 def host(packages: tuple[str, ...] = ("aload", "torch", "safetensors")) -> dict[str, Any]:
     """What a figure was measured on: cores, CPU, memory, kernel, Python, ``packages``' versions and
-    the ``HOST_ENV`` variables that are set.
-    This project's own host changed under it, and the same loads ran 3-7x as fast on the new one
-    (``safe_open`` on 20,000 tensors 0.27 s against 0.93-1.84): a row means little without it."""
+    the ``HOST_ENV`` variables that are set: a row means little without it."""
     info = dict(_host(packages))
     info.update((var, os.environ[var]) for var in HOST_ENV if os.environ.get(var))  # as they are now
     return info
@@ -150,19 +143,17 @@ async def bench_stream(
     *,
     max_inflight_bytes: int,
     concurrency: int,
-    chunk_bytes: int,
+    chunk_bytes: int | None,
     progress: Any = None,
     cold: bool = False,
-    in_order: bool = True,
     **options: Any,
 ) -> dict[str, Any]:
     """Stream every tensor of ``url`` and drop it: the pipeline alone, as one benchmark row. With
     ``cold``, a local checkpoint is dropped from the page cache first (``aload.local.evict``).
-    ``in_order=False`` takes tensors as ``aload.load`` hands them to a model by default: one
-    ready before one ahead of it still being read."""
+    """
     if cold:
-        await run_in_thread(evict, url)
-    cached = await run_in_thread(cached_share, url)  # not the loop's default executor, whose threads stay
+        evict(url)
+    share = cached(url) if is_local(url) else None
     cpu0 = time.process_time()
     async with Probe() as probe:
         t0 = time.perf_counter()
@@ -172,7 +163,6 @@ async def bench_stream(
             concurrency=concurrency,
             chunk_bytes=chunk_bytes,
             progress=progress,
-            in_order=in_order,
             **options,
         ) as s:
             async for pair in s:
@@ -190,13 +180,12 @@ async def bench_stream(
         "opened_s": st.opened_s,
         "planned_s": st.planned_s,
         "cpu_s": time.process_time() - cpu0,
-        "cached_at_start": cached,
-        "read": read_mode(options.get("read")) if is_local(url) else None,
+        "cached_at_start": share,
+        "read": options.get("read") or "auto" if is_local(url) else None,
         "verified_shards": st.verified_shards,
         "max_inflight_bytes": max_inflight_bytes,
         "concurrency": concurrency,
         "chunk_bytes": chunk_bytes,
-        "in_order": in_order,
         "overdraft_bytes": st.overdraft_bytes,  # read outside the budget (none: each tensor is dropped)
         **probe.row(),
         "host": host(),
@@ -217,8 +206,8 @@ async def sweep(
     """One row per setting, best first (by throughput), after one untimed run of the first. With
     ``rounds`` > 1 the grid is run that many times, forward and backward in turn, and each
     setting's row is its median run (the slower middle one of an even count; ``gbps_runs``: every
-    run's figure): a storage's speed drifts over a sweep (a default one of a 4 GB checkpoint took
-    ~70 s here), and one pass in one order credits the drift to the settings that come late. A
+    run's figure): a storage's speed drifts over a sweep, and one pass in one order credits the
+    drift to the settings that come late. A
     local checkpoint's share in the page cache can change between settings (a run reads it in):
     ``cold=True`` drops it before each, and ``uneven_cache`` says when the rows did not start
     alike. ``report(i, n, row)`` is called as each of the ``n`` runs finishes (a default grid is
@@ -228,9 +217,7 @@ async def sweep(
         raise UsageError("a sweep needs at least one budget, concurrency and chunk size", url=url)
     if rounds < 1:
         raise UsageError(f"a sweep runs at least one round, got {rounds}", url=url)
-    # One untimed run first: the first in a process, or the first from a disk left idle, ran up to
-    # 3x slower here (1 GB cold, 3 sweeps of 4: 0.45-0.64 GB/s, the other setting 1.35-1.64,
-    # whichever came first), which made the grid's first setting look the worst.
+    # One untimed run first: the first run in a process, or from a disk left idle, is slower.
     order = [grid[0]] + [s for r in range(rounds) for s in (grid if r % 2 == 0 else grid[::-1])]
     runs: dict[tuple[int, int, int], list[dict[str, Any]]] = {s: [] for s in grid}
     for i, setting in enumerate(order):
@@ -286,13 +273,12 @@ WARM = 0.99
 
 def _cache_note(share: float | None, read: str | None = None) -> str:
     """Whether the disk was read at all: a warm page cache makes a local figure memory's speed,
-    and in the "map" and "shared" modes (tensors handed out as views of the page cache, nothing
-    copied) not even that."""
+    and, where tensors are handed out as views of the page cache, not even that."""
     if share is None:
         return ""
     state = "warm" if share >= WARM else "cold" if share <= 0.01 else "partly warm"
     note = f"; {share:.0%} of it in the page cache at start ({state})"
-    if state == "warm" and read in ("map", "shared"):
+    if state == "warm":
         note += ": handed out as views of it, nothing copied (a load copies each byte once; --cold reads the disk)"
     return note
 

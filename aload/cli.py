@@ -7,18 +7,20 @@ import asyncio
 import builtins
 import importlib
 import json
+import os
 import sys
 import time
 from collections import Counter
 from dataclasses import asdict
 from typing import Any, TextIO
 
-from .checkpoint import DEFAULT_CONCURRENCY, open
+from . import __version__
+from . import open as open_checkpoint
 from .errors import AloadError, UsageError
-from .loader import load
-from .local import READ_MODES, is_local
-from .pipeline import stream
-from .reader import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_INFLIGHT_BYTES, Progress
+from .load import load
+from .read import DEFAULT_CONCURRENCY, DEFAULT_MAX_INFLIGHT_BYTES, Progress
+from .sources.local import READ_MODES, is_local
+from .stream import stream
 
 
 class ProgressBar:
@@ -26,6 +28,11 @@ class ProgressBar:
 
     def __init__(self, out: TextIO = sys.stderr, width: int = 30) -> None:
         self.out, self.width, self._last = out, width, 0.0
+
+    @classmethod
+    def if_terminal(cls, quiet: bool = False) -> ProgressBar | None:
+        """A bar where stderr is a terminal and not ``quiet``; else None."""
+        return None if quiet or not sys.stderr.isatty() else cls()
 
     def __call__(self, p: Progress) -> None:
         now = time.perf_counter()
@@ -47,7 +54,7 @@ class ProgressBar:
 
 
 async def _inspect(args: argparse.Namespace) -> int:
-    async with open(args.path) as ckpt:
+    async with open_checkpoint(args.path) as ckpt:
         dtypes = Counter(s.dtype for s in ckpt.specs.values())
         info: dict[str, Any] = {
             "url": ckpt.url,
@@ -57,6 +64,10 @@ async def _inspect(args: argparse.Namespace) -> int:
             "dtypes": dict(sorted(dtypes.items())),
             "metadata": ckpt.metadata,
         }
+        if args.tensors:
+            info["tensor_list"] = [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "shard": t.shard} for t in ckpt.specs.values()
+            ]
     if args.json:
         print(json.dumps(info, indent=2, ensure_ascii=False))
         return 0
@@ -66,18 +77,25 @@ async def _inspect(args: argparse.Namespace) -> int:
     print("  dtypes: " + ", ".join(f"{k} x{v}" for k, v in info["dtypes"].items()))
     for k, v in ckpt.metadata.items():
         print(f"  metadata {k}: {v}")
+    for t in info.get("tensor_list", []):
+        print(f"  {t['name']}  {t['dtype']}{t['shape']}  {os.path.basename(t['shard'])}")
     return 0
 
 
 def _factory(spec: str) -> Any:
     module, _, attr = spec.partition(":")
     if not attr:
-        raise AloadError(f"--model takes module:callable, got {spec!r}")
-    return getattr(importlib.import_module(module), attr)()
+        raise UsageError(f"--model takes module:callable, got {spec!r}")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: the current folder's modules
+    try:
+        return getattr(importlib.import_module(module), attr)()
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"--model {spec}: {exc}") from None
 
 
 async def _load(args: argparse.Namespace) -> int:
-    bar = None if args.quiet else ProgressBar()
+    bar = ProgressBar.if_terminal(args.quiet)
     opts: dict[str, Any] = dict(
         max_inflight_bytes=args.budget, concurrency=args.concurrency, chunk_bytes=args.chunk_bytes, progress=bar
     )
@@ -86,9 +104,14 @@ async def _load(args: argparse.Namespace) -> int:
     if args.read:
         opts["read"] = args.read
     if args.model:
-        opts["weights_on_device"] = args.weights_on_device
         report = await load(_factory(args.model), args.path, strict=not args.non_strict, **opts)
         row: dict[str, Any] = asdict(report)
+        if not args.json:
+            print(report.summary())
+            for label, names in (("missing", report.missing), ("unexpected", report.unexpected)):
+                for name in names:
+                    print(f"  {label}: {name}")
+            return 0
     else:  # no model: stream every tensor and drop it, measuring the pipeline alone
         t0 = time.perf_counter()
         async with stream(args.path, **opts) as s:
@@ -100,20 +123,10 @@ async def _load(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(row, indent=2))
     else:
-        for key in (
-            "tensors",
-            "bytes",
-            "bytes_read",
-            "seconds",
-            "gbps",
-            "ttft_s",
-            "opened_s",
-            "planned_s",
-            "peak_inflight_bytes",
-            "budget_wait_s",
-            "verified_shards",
-        ):
-            print(f"{key:>20}: {row.get(key)}")
+        print(
+            f"{row['tensors']} tensors, {row['bytes'] / 1e9:.3f} GB streamed in {row['seconds']:.3f} s "
+            f"({row['gbps']:.2f} GB/s); peak in flight {row['peak_inflight_bytes'] / 2**20:.1f} MiB"
+        )
     return 0
 
 
@@ -171,7 +184,6 @@ async def _bench(args: argparse.Namespace) -> int:
         raise UsageError("--cold drops a local checkpoint from the page cache; this one is remote", url=args.path)
     options: dict[str, Any] = {"read": args.read} if args.read else {}
     options["cold"] = args.cold
-    options["in_order"] = not args.any_order
     if args.verify:
         options["verify"] = args.verify
     if args.sweep:
@@ -192,7 +204,7 @@ async def _bench(args: argparse.Namespace) -> int:
             chunks=args.chunk_sweep,
             rounds=args.repeat,
             report=report,
-            progress=None if args.quiet else ProgressBar,
+            progress=None if ProgressBar.if_terminal(args.quiet) is None else ProgressBar,
             **options,
         )
         if args.repeat > 1:
@@ -214,7 +226,7 @@ async def _bench(args: argparse.Namespace) -> int:
     else:
         rows = []
         for i in range(args.repeat):  # repeats in one process: the later runs reuse what the first set up
-            bar = None if args.quiet else ProgressBar()
+            bar = ProgressBar.if_terminal(args.quiet)
             rows.append(
                 await bench_stream(
                     args.path,
@@ -253,14 +265,14 @@ def _source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunk-bytes",
         type=_size,
-        default=DEFAULT_CHUNK_BYTES,
-        help=f"bytes per read: bytes, or 4m, 64m (default {DEFAULT_CHUNK_BYTES >> 20}m)",
+        default=None,
+        help="bytes per read: bytes, or 4m, 64m (default 64m for local files, 16m for remote ones)",
     )
     parser.add_argument(
         "--read",
         choices=READ_MODES,
-        help="local files: how to read them (default map; shared: the disk through the page cache, for"
-        " several processes loading the same files at once)",
+        help="local files: auto (default: through the page cache where at least half the file is cached, "
+        "else O_DIRECT), cached, or direct",
     )
     parser.add_argument("--verify", metavar="MANIFEST", help=_VERIFY_HELP)
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -268,20 +280,17 @@ def _source_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aload", description="Stream safetensors checkpoints into PyTorch.")
+    parser.add_argument("--version", action="version", version=f"aload {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_inspect = sub.add_parser("inspect", help="shards, tensors, dtypes, bytes and metadata")
-    p_inspect.add_argument("path")
-    p_inspect.add_argument("--json", action="store_true")
+    p_inspect.add_argument("path", help="a .safetensors file or a folder: a path, file://, http(s):// or s3:// URL")
+    p_inspect.add_argument("--tensors", action="store_true", help="list every tensor: name, dtype, shape, shard")
+    p_inspect.add_argument("--json", action="store_true", help="print JSON")
     p_load = sub.add_parser("load", help="stream the checkpoint (into --model if given) and print the report")
     _source_arguments(p_load)
     p_load.add_argument("--model", help="module:callable returning the nn.Module to load into")
     p_load.add_argument("--non-strict", action="store_true", help="report missing/unexpected names instead of failing")
     p_load.add_argument("--json", action="store_true", help="print the report as JSON")
-    p_load.add_argument(
-        "--weights-on-device",
-        action="store_true",
-        help="a --model with load_weights on a GPU gets its tensors of 1 MiB or more on the GPU",
-    )
     p_bench = sub.add_parser(
         "bench", help="measure streaming your checkpoint: throughput, first tensor, memory, loop lateness"
     )
@@ -313,13 +322,6 @@ def main(argv: list[str] | None = None) -> int:
         help="drop a local checkpoint from the page cache before each run, so that it is read from the disk "
         "(pages another process has mapped stay)",
     )
-    p_bench.add_argument(
-        "--any-order",
-        action="store_true",
-        help="take a tensor that is ready before one ahead of it still being read, as `aload.load` hands "
-        "them to a model (default: file order, as `aload.stream` yields them); what a load gains where part "
-        "of the checkpoint must come from the disk",
-    )
     p_bench.add_argument("--json", help="write the row(s) here, one JSON object per line")
     args = parser.parse_args(argv)
     commands = {"inspect": _inspect, "load": _load, "bench": _bench}
@@ -328,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     except AloadError as exc:
         print(f"aload: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("aload: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `aload inspect ... | head`: the reader went away
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Remote sources over loopback: nginx as the origin (HTTP, and a read-only S3-compatible endpoint
-for GET/HEAD), against curl, a raw aiohttp ranged reader, a raw aiobotocore ranged reader, and
+for GET/HEAD), against curl, a raw aiohttp ranged reader, a raw obstore ranged reader, and
 Run:ai's streamer reading the same objects through the same endpoint.
 
     python benchmarks/remote.py [--size-gib 2] [--reps 3] [--out benchmarks/out/remote]
@@ -35,23 +35,14 @@ LOADERS = (
     "curl",
     "aiohttp_raw",
     "aload_http",
-    "aiobotocore_raw",
     "obstore_raw",
     "aload_s3",
     "runai_s3",
     "aiohttp_raw_model",
     "aload_http_model",
-    "aiobotocore_raw_model",
     "aload_s3_model",
     "aload_http_model_verify",
-    "aiohttp_raw_model_preloaded",
-    "aload_http_model_preloaded",
-    "aiobotocore_raw_model_preloaded",
-    "aload_s3_model_preloaded",
 )
-#: A ``*_preloaded`` row first does, before timing and in the same process, what a serving
-#: process does at start-up: imports its client and builds one (aload: ``aload.preload``).
-PRELOADED = "_preloaded"
 BUCKET = "weights"
 CHUNK, CONNS = 16 << 20, 4
 
@@ -116,44 +107,6 @@ async def raw_aiohttp(urls: list[str], sizes: list[int], dest: bytearray | None 
     return sum(sizes)
 
 
-async def raw_aiobotocore(endpoint: str, keys: list[str], sizes: list[int], dest: bytearray | None = None) -> int:
-    """As raw_aiohttp, through aiobotocore's get_object, streaming each body into place."""
-    from aiobotocore.config import AioConfig
-    from aiobotocore.session import get_session
-
-    gate = asyncio.Semaphore(CONNS)
-    buf = bytearray(CHUNK)
-    cfg = AioConfig(s3={"addressing_style": "path"}, max_pool_connections=CONNS)
-    async with get_session().create_client(
-        "s3",
-        endpoint_url=endpoint,
-        config=cfg,
-        region_name="us-east-1",
-        aws_access_key_id="x",
-        aws_secret_access_key="x",
-    ) as c:
-        bases = [sum(sizes[:i]) for i in range(len(sizes))]
-
-        async def one(key: str, base: int, off: int, n: int) -> None:
-            async with gate:
-                r = await c.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={off}-{off + n - 1}")
-                view = memoryview(buf) if dest is None else memoryview(dest)[base + off : base + off + n]
-                got = 0
-                async with r["Body"] as body:
-                    async for chunk in body.iter_chunks(1 << 20):
-                        view[got : got + len(chunk)] = chunk
-                        got += len(chunk)
-
-        await asyncio.gather(
-            *(
-                one(k, b, off, min(CHUNK, n - off))
-                for k, n, b in zip(keys, sizes, bases, strict=True)
-                for off in range(0, n, CHUNK)
-            )
-        )
-    return sum(sizes)
-
-
 async def raw_obstore(endpoint: str, keys: list[str], sizes: list[int]) -> int:
     """The same ranged reads through obstore (Rust object_store; its own runtime threads)."""
     import obstore
@@ -182,45 +135,22 @@ async def raw_obstore(endpoint: str, keys: list[str], sizes: list[int]) -> int:
     return sum(sizes)
 
 
-def preload(loader: str, endpoint: str) -> None:
-    """What ``loader``'s first use in a process loads, done now: aload's clients through
-    ``aload.preload``, a raw reader's by importing it and building and closing one client."""
-    if loader.startswith("aload_"):
-        import aload
-
-        aload.preload("s3" if "_s3" in loader else "http")
-    elif loader.startswith("aiohttp_raw"):
-        import aiohttp
-
-        async def session() -> None:
-            async with aiohttp.ClientSession():
-                pass
-
-        asyncio.run(session())
-    elif loader.startswith("aiobotocore_raw"):
-        from aiobotocore.session import get_session
-
-        async def client() -> None:
-            async with get_session().create_client(
-                "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
-            ) as c:
-                await c.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": "k"}, ExpiresIn=60)
-
-        asyncio.run(client())
-
-
 def run_one(loader: str, base: str, ckpt: Path, names: list[str], sizes: list[int]) -> dict[str, Any]:
     from aload.bench import Probe, bench_stream
 
     name = loader
-    if loader.endswith(PRELOADED):
-        loader = loader.removesuffix(PRELOADED)
-        preload(loader, base)
-
     endpoint = base
     urls = [f"{base}/{BUCKET}/ckpt/{n}" for n in names]
     keys = [f"ckpt/{n}" for n in names]
-    s3opts = {"endpoint_url": endpoint, "access_key": "x", "secret_key": "x", "region": "us-east-1"}
+    # The S3 client's configuration as a user gives it: the standard environment.
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="x",
+        AWS_SECRET_ACCESS_KEY="x",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
 
     model: Any = None
     dest: bytearray | None = None
@@ -253,10 +183,9 @@ def run_one(loader: str, base: str, ckpt: Path, names: list[str], sizes: list[in
             import aload
 
             src = f"{base}/{BUCKET}/ckpt" if loader.startswith("aload_http") else f"s3://{BUCKET}/ckpt/"
-            opts: dict[str, Any] = dict(s3opts) if loader == "aload_s3_model" else {}
             async with Probe() as probe:
                 t0 = time.perf_counter()
-                report = await aload.load(model, src, concurrency=CONNS, chunk_bytes=CHUNK, verify=verify, **opts)
+                report = await aload.load(model, src, concurrency=CONNS, chunk_bytes=CHUNK, verify=verify)
                 seconds = time.perf_counter() - t0
             assert verify is None or report.verified_shards == len(names)
             return {
@@ -272,14 +201,12 @@ def run_one(loader: str, base: str, ckpt: Path, names: list[str], sizes: list[in
             )
         if loader == "aload_s3":
             return await bench_stream(
-                f"s3://{BUCKET}/ckpt/", max_inflight_bytes=512 << 20, concurrency=CONNS, chunk_bytes=CHUNK, **s3opts
+                f"s3://{BUCKET}/ckpt/", max_inflight_bytes=512 << 20, concurrency=CONNS, chunk_bytes=CHUNK
             )
         async with Probe() as probe:
             t0 = time.perf_counter()
             if loader in ("aiohttp_raw", "aiohttp_raw_model"):
                 nbytes = await raw_aiohttp(urls, sizes, dest)
-            elif loader in ("aiobotocore_raw", "aiobotocore_raw_model"):
-                nbytes = await raw_aiobotocore(endpoint, keys, sizes, dest)
             elif loader == "obstore_raw":
                 nbytes = await raw_obstore(endpoint, keys, sizes)
             elif loader == "curl":
@@ -287,14 +214,7 @@ def run_one(loader: str, base: str, ckpt: Path, names: list[str], sizes: list[in
                 await asyncio.gather(*(p.wait() for p in procs))
                 nbytes = sum(sizes)
             elif loader == "runai_s3":
-                os.environ.update(
-                    AWS_ENDPOINT_URL=endpoint,
-                    AWS_ACCESS_KEY_ID="x",
-                    AWS_SECRET_ACCESS_KEY="x",
-                    AWS_DEFAULT_REGION="us-east-1",
-                    RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0",
-                    AWS_EC2_METADATA_DISABLED="true",
-                )
+                os.environ.update(RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0")
 
                 def runai() -> int:
                     from runai_model_streamer import SafetensorsStreamer
@@ -405,15 +325,11 @@ def main() -> None:
     print(
         f"\naload http / raw aiohttp = {ratio('aload_http', 'aiohttp_raw')} (target >= 0.8); "
         f"aload http / curl = {ratio('aload_http', 'curl')} (target >= 0.7); "
-        f"aload s3 / raw aiobotocore = {ratio('aload_s3', 'aiobotocore_raw')} (target >= 0.8); "
-        f"aload s3 / Run:ai = {ratio('aload_s3', 'runai_s3')} (target > 1)\n"
+        f"aload s3 / raw obstore = {ratio('aload_s3', 'obstore_raw')} (target >= 0.8); "
+        f"aload s3 / Run:ai = {ratio('aload_s3', 'runai_s3')} (target >= 1)\n"
         f"into a model: aload http / raw aiohttp = {ratio('aload_http_model', 'aiohttp_raw_model')}; "
         f"aload http / curl = {ratio('aload_http_model', 'curl')}; "
-        f"aload s3 / raw aiobotocore = {ratio('aload_s3_model', 'aiobotocore_raw_model')}; "
-        f"with SHA-256 verification / without = {ratio('aload_http_model_verify', 'aload_http_model')}\n"
-        f"preloaded, as a serving process at start-up (aload.preload; a raw reader imports its client and "
-        f"builds one): aload http / raw aiohttp = {ratio('aload_http_model' + PRELOADED, 'aiohttp_raw_model' + PRELOADED)}; "
-        f"aload s3 / raw aiobotocore = {ratio('aload_s3_model' + PRELOADED, 'aiobotocore_raw_model' + PRELOADED)}"
+        f"with SHA-256 verification / without = {ratio('aload_http_model_verify', 'aload_http_model')}"
     )
     (a.out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 

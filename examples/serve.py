@@ -53,7 +53,7 @@ async def config_folder(checkpoint: str, tmp: Path) -> Path:
         return Path(checkpoint.removeprefix("file://"))
     store = open_store(checkpoint, concurrency=2)
     try:
-        data = await store.get("config.json", 1 << 20)
+        data = await store.run(store.get, "config.json", 1 << 20)
     finally:
         await store.aclose()
     if data is None:
@@ -178,9 +178,6 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     a = ap.parse_args()
-    scheme = a.checkpoint.split("://")[0] if "://" in a.checkpoint else ""
-    if scheme in ("http", "https", "s3"):
-        aload.preload(scheme)  # before the loop serves: the client imports hold the GIL for tens of ms
     print(json.dumps({"listening": f"http://{a.host}:{a.port}", "loading": a.checkpoint, "t": time.time()}))
     web.run_app(Server().app(a.checkpoint), host=a.host, port=a.port)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import threading
@@ -15,17 +16,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-#: A callback holding the loop longer than this fails the test. Generous for a noisy 2-core CI,
-#: where a full garbage collection with torch and transformers loaded was seen to take ~0.3 s
-#: inside an unrelated callback; a blocking read or parse of any real size exceeds it.
-LOOP_BLOCK_LIMIT_S = 0.5
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    import gc
-
-    gc.collect()
-    gc.freeze()  # what imports made is never collected: full collections stay short
+#: A callback holding the loop longer than this fails the test: generous, so that a busy 2-core
+#: machine (another process on the CPU, a garbage collection with torch loaded) does not fail
+#: it, while a blocking read of a whole checkpoint or a sleep on the loop still does. Lateness
+#: figures belong in benchmarks/.
+LOOP_BLOCK_LIMIT_S = 2.0
 
 
 class LoopWatchdog:
@@ -112,23 +107,13 @@ def no_leaks() -> Iterator[None]:
         fds = _open_checkpoint_fds() - before
         if (not threads and not fds) or time.monotonic() > deadline:
             break
+        if fds:
+            # A tensor viewing a file's mapping keeps the file open until it dies; one that an
+            # exception's traceback holds (in a reference cycle) dies in a collection.
+            gc.collect()
         time.sleep(0.01)
     assert not threads, f"threads left behind: {threads}"
     assert not fds, f"files left open: {fds}"
-
-
-def count_copies(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[int]:
-    """The sizes of the copies ``module`` makes through ``copy_bytes`` from now on, on any thread."""
-    from aload import _ntcopy
-
-    sizes: list[int] = []
-
-    def counted(dst: int, src: int, n: int) -> None:
-        sizes.append(n)
-        _ntcopy.copy_bytes(dst, src, n)
-
-    monkeypatch.setattr(module, "copy_bytes", counted)
-    return sizes
 
 
 def drop_cache(path: Path, offset: int = 0, length: int = 0) -> None:
@@ -239,13 +224,3 @@ def proxy_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
-
-
-@pytest.fixture(params=["loop", "thread"])
-def bodies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Where response bodies are received: on the event loop, or on the client's threads (every
-    body with bytes left after its head; by default only those of ``THREAD_BODY_BYTES``)."""
-    from aload import wire
-
-    monkeypatch.setattr(wire, "THREAD_BODY_BYTES", 1 << 62 if request.param == "loop" else 1)
-    return str(request.param)

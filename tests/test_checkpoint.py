@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -126,20 +123,6 @@ async def test_tensor_in_two_shards_is_refused(write: Callable[..., Path]) -> No
     assert info.value.tensor == "dup"
 
 
-async def test_a_clash_past_the_first_piece_of_a_large_shard_is_named(write: Callable[..., Path]) -> None:
-    """Shards are added to the checkpoint a piece at a time (``_ASSEMBLE_PIECE`` tensors): a
-    tensor two shards hold, found in a later piece, is the one named, not one of its own shard's
-    earlier pieces."""
-    from aload.checkpoint import _ASSEMBLE_PIECE
-
-    n = _ASSEMBLE_PIECE + 8
-    write({**{f"t{i:05d}": torch.ones(1) for i in range(n)}, "zz": torch.ones(1)}, name="ckpt/one.safetensors")
-    path = write({**{f"u{i:05d}": torch.ones(1) for i in range(n)}, "zz": torch.ones(1)}, name="ckpt/two.safetensors")
-    with pytest.raises(aload.CheckpointError, match="two shards") as info:
-        await aload.open(path.parent)
-    assert info.value.tensor == "zz"
-
-
 async def test_missing_path_and_empty_folder(tmp_path: Path) -> None:
     with pytest.raises(aload.SourceError, match="no such file"):
         await aload.open(tmp_path / "nope")
@@ -170,104 +153,3 @@ async def test_file_url_and_unknown_scheme(write: Callable[..., Path]) -> None:
         await aload.open("gopher://x/y")
 
 
-def test_an_optional_client_is_imported_off_the_event_loop() -> None:
-    """A process's first http:// or s3:// open imports aiohttp (~150 ms here) and aiobotocore
-    (~120 ms more) on a thread: on the loop they held it that long."""
-    code = textwrap.dedent(
-        """
-        import asyncio, sys, threading
-        import aload, aload.checkpoint
-        on_main = {}
-        class Watch:
-            def find_spec(self, name, path=None, target=None):
-                if name in ("aiohttp", "aiobotocore") and name not in on_main:
-                    on_main[name] = threading.current_thread() is threading.main_thread()
-        sys.meta_path.insert(0, Watch())
-        assert "aiohttp" not in sys.modules and "aiobotocore" not in sys.modules
-        def stop(url, **options):  # no network: the import is what is looked at
-            raise aload.UsageError("stop", url=url)
-        aload.checkpoint.open_store = stop
-        async def first_open(url):
-            try:
-                await aload.open(url)
-            except aload.UsageError:
-                pass
-        for url in ("http://127.0.0.1:9/m", "s3://bucket/m"):
-            asyncio.run(first_open(url))
-        print(sorted(on_main.items()))
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    assert out.stdout.strip() == "[('aiobotocore', False), ('aiohttp', False)]", out.stdout + out.stderr
-
-
-@pytest.mark.skipif(sys.implementation.name != "cpython", reason="CPython's cyclic collector")
-async def test_specs_and_plan_items_are_left_out_of_the_cycle_collector(sharded: Callable[..., Path]) -> None:
-    """Each ``TensorSpec`` and plan ``Item`` is a tuple of leaves the collector need not track.
-    CPython stops tracking exact tuples of leaves by itself, but not a NamedTuple's instances: a
-    load of 20,000 tensors promoted ~40,000 of them to the oldest generation, and every ~4 such
-    loads a full collection (157-204 ms here, holding the GIL) walked the whole process. The plan
-    is made with the collector paused."""
-    import gc
-
-    from aload.plan import make_plan
-
-    folder = sharded({f"layers.{i}.w": torch.randn(8, 8) for i in range(2000)}, 2)
-    collections: list[int] = []
-
-    def watch(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            collections.append(info["generation"])
-
-    async with await aload.open(folder) as ckpt:
-        was = gc.isenabled()
-        gc.enable()
-        gc.callbacks.append(watch)
-        try:
-            plan = make_plan(ckpt, None, None, 1 << 20)
-        finally:
-            gc.callbacks.remove(watch)
-            if not was:
-                gc.disable()
-        # Made with the collector paused: ~3 collections of the youngest generation otherwise,
-        # each a step towards a full one.
-        assert collections == [], collections
-        items = [item for unit in plan.units for item in unit.items]
-        assert len(items) == len(ckpt.specs) == 2000
-        assert not any(gc.is_tracked(s) for s in ckpt.specs.values())
-        assert not any(gc.is_tracked(item) for item in items)
-        assert all(item.spec is ckpt.specs[item.name] for item in items)  # and they still read as before
-
-
-async def test_headers_of_a_few_hundred_tensors_are_parsed_off_the_loop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """DeepSeek-V3's shards have ~64 KB headers (552 tensors, ~1.4 ms to parse here): parsed on the
-    loop, one after another, they held it that long each (p99 lateness 4.6-7.8 ms). A header of
-    a few tensors is still parsed right there (a trip to a thread costs more)."""
-    import threading
-
-    from safetensors.torch import save_file
-
-    import aload.checkpoint
-
-    on_loop: dict[str, tuple[int, bool]] = {}
-    parse = aload.checkpoint.parse_header
-
-    def watched(raw: bytes, size: int, url: str) -> Any:
-        on_loop[Path(url).name] = (len(raw), threading.current_thread() is threading.main_thread())
-        return parse(raw, size, url)
-
-    monkeypatch.setattr(aload.checkpoint, "parse_header", watched)
-    shards = [{f"model.layers.{k}.mlp.experts.{j}.w": torch.zeros(2) for j in range(300)} for k in range(2)]
-    shards.append({f"small.{i}": torch.zeros(2) for i in range(3)})
-    weight_map = {}
-    for k, part in enumerate(shards):
-        save_file(part, str(tmp_path / f"s{k}.safetensors"))
-        weight_map |= {name: f"s{k}.safetensors" for name in part}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    async with aload.open(tmp_path) as ckpt:
-        assert len(ckpt.specs) == len(weight_map)
-    assert sorted(on_loop) == ["s0.safetensors", "s1.safetensors", "s2.safetensors"]
-    assert all(n > 16 << 10 and not on_main for n, on_main in (on_loop["s0.safetensors"], on_loop["s1.safetensors"]))
-    assert on_loop["s2.safetensors"][0] < 1024 and on_loop["s2.safetensors"][1]

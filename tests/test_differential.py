@@ -1,6 +1,6 @@
 """Random valid checkpoints (every dtype, odd shapes, many shards, unicode names, metadata),
 written by safetensors, stream byte-identical to what safetensors reads: from local files and
-over HTTP here, over S3 in test_s3.py."""
+over HTTP here, over S3 in test_remote.py."""
 
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ async def test_local_and_http_streams_equal_safetensors(tmp_path: Path, seed: in
     path = random_checkpoint(tmp_path / "ckpt", seed)
     want = reference(path)
     assert await streamed(str(path)) == want
-    assert await streamed(str(path), read="pread") == want
+    assert await streamed(str(path), read="cached") == want
+    assert await streamed(str(path), read="direct") == want
     async with FileServer() as srv:
         srv.add_folder(path if path.is_dir() else path.parent)
         url = srv.url + ("/" if path.is_dir() else f"/{path.name}")

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 import aload
-from aload import local
 
 from .conftest import hf_llama, llama_like
 
@@ -96,20 +95,15 @@ async def test_a_waiting_loader_gets_every_pair_when_they_trickle_in(write: Call
             return set()
 
     report = await asyncio.wait_for(
-        aload.load(Engine(), path, stages=slow, max_inflight_bytes=8192, chunk_bytes=4096, in_order=True), 30
+        aload.load(Engine(), path, stages=slow, max_inflight_bytes=8192, chunk_bytes=4096), 30
     )
     assert [n for n, _ in got] == list(tensors) and report.tensors == count
     assert all(torch.equal(t, tensors[n]) for n, t in got)
 
 
-@pytest.mark.parametrize("in_order", [True, False])
-async def test_a_slow_loader_holds_few_whole_units(
-    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, in_order: bool
-) -> None:
+async def test_a_slow_loader_holds_few_whole_units(write: Callable[..., Path]) -> None:
     """Reads run a few units ahead of a slow ``load_weights``, not the whole budget: the bridge
-    holds at most ``bridge._MAX_UNITS`` (4) units for the consumer's thread. Out of order the
-    reader's queue is half as long, so the bound is the same."""
-    monkeypatch.setattr(local, "MAPPED_RUN_BYTES", 0)  # units of chunk_bytes, even from the page cache
+    holds at most ``bridge.MAX_UNITS`` (4) units for the consumer's thread."""
     unit = 64 << 10
     tensors = {f"t{i:03d}": torch.full((unit // 4,), float(i)) for i in range(80)}  # a unit each
     path = write(tensors)
@@ -123,12 +117,12 @@ async def test_a_slow_loader_holds_few_whole_units(
                 got.append(name)
             return set()
 
-    report = await aload.load(Engine(), path, chunk_bytes=unit, concurrency=2, in_order=in_order)
-    assert (got if in_order else sorted(got)) == list(tensors)
-    # Queued in the reader (2 x concurrency), being read (concurrency), in the bridge, being cut,
-    # and the consumer's previous tensor (``for name, t in weights`` holds it while asking for the
-    # next: 12 units, now and then, on the 2-core Xeon of stop 55).
-    ahead = 2 * 2 + 2 + 4 + 1 + 1
+    report = await aload.load(Engine(), path, chunk_bytes=unit, concurrency=2)
+    assert got == list(tensors)
+    # Queued in the reader (max(2, concurrency)), one more the producer holds, in the bridge, being
+    # cut, and the consumer's previous tensor (``for name, t in weights`` holds it while asking
+    # for the next).
+    ahead = 2 + 1 + 4 + 1 + 1 + 1
     assert report.peak_inflight_bytes <= ahead * unit, report.peak_inflight_bytes // unit
 
 
@@ -172,10 +166,10 @@ async def test_builtin_reads_straight_into_parameters_and_converts_dtypes(write:
     r2 = await aload.load(wider, path, stages=rename)
     large = sum(t.nbytes for t in tensors.values() if t.nbytes >= 1 << 20)
     small = sum(t.nbytes for t in tensors.values() if t.nbytes < 1 << 20)
-    # Read straight into the parameters, the small ones too (one scattering read for a run of
-    # them): no buffer, no copy_.
-    assert r1.direct_bytes == large + small
-    assert r1.bytes_read == large + small and r1.peak_inflight_bytes < small + (1 << 20)
+    # The large ones read straight into the parameters (no buffer, no copy_); the small ones in
+    # a buffer, then copied.
+    assert r1.direct_bytes == large
+    assert r1.bytes_read == large + small and r1.peak_inflight_bytes <= small
     assert r2.direct_bytes == 0  # float32 targets: read into buffers, converted by copy_
     for k, v in tensors.items():
         assert torch.equal(getattr(same, k.replace(".", "__")), v)
@@ -350,12 +344,12 @@ async def test_loader_that_stops_early_is_an_error(write: Callable[..., Path]) -
 async def test_a_run_of_tensors_ends_where_the_loader_stops(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Small tensors reach ``load_weights`` in runs (``arena.CUT_RUN`` cut at once). A loader that
+    """Small tensors reach ``load_weights`` in runs (a unit's, cut at once). A loader that
     fails, returns early or is cancelled in the middle of a run is told apart exactly: what it was
     given is what the error says was delivered, and after a cancel it is given nothing more."""
-    from aload.arena import CUT_RUN
-    from aload.bridge import SyncBridge
+    from aload.load.bridge import SyncBridge
 
+    CUT_RUN = 256
     n, stop_at = 3 * CUT_RUN, CUT_RUN + CUT_RUN // 2
     path = write({f"t{i:04d}": torch.full((16,), float(i)) for i in range(n)})
     seen: list[str] = []
@@ -377,7 +371,7 @@ async def test_a_run_of_tensors_ends_where_the_loader_stops(
                         if len(seen) == stop_at + 10:
                             break
 
-    await aload.load(HandsOn(), path, in_order=True)
+    await aload.load(HandsOn(), path)
     assert seen == [f"t{i:04d}" for i in range(n)]  # each once, in order, wherever it was taken
 
     seen.clear()
@@ -466,41 +460,8 @@ def test_load_under_uvloop_keeps_the_loop_free(tmp_path: Path) -> None:
     assert seen.keys() == tensors.keys() and all(torch.equal(seen[k], v) for k, v in tensors.items())
 
 
-def test_one_walk_finds_what_named_parameters_buffers_and_state_dict_find() -> None:
-    from aload.install import _modules, _named_modules, _walk
-
-    model = hf_llama(tie_word_embeddings=True)
-    shared = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    model.extra = nn.ModuleList([shared, shared])  # a submodule (and its own) under two names
-    got = list(_named_modules(model))
-    want = list(model.named_modules(remove_duplicate=False))
-    assert [p for p, _ in got] == [n + "." if n else "" for n, _ in want]
-    assert all(a is b for (_, a), (_, b) in zip(got, want, strict=True))
-    modules = list(_modules(model))
-    assert len(modules) == len(list(model.modules())) < len(want)  # the shared module once
-    assert all(a is b for a, b in zip(modules, model.modules(), strict=True))
-    model.extra[0][0].register_buffer("scratch", torch.zeros(2), persistent=False)
-    model.extra[0][0].register_buffer("count", torch.zeros(1))
-    walked = _walk(model)
-    expected = dict(model.named_parameters(remove_duplicate=False))
-    expected.update(model.named_buffers(remove_duplicate=False))
-    assert walked.targets.keys() == expected.keys()
-    assert all(walked.targets[k] is v for k, v in expected.items())
-    state = model.state_dict(keep_vars=True)
-    assert list(walked.state) == list(state)  # same names, same order
-    assert all(walked.state[k] == id(t) for k, t in state.items())
-    first: dict[int, str] = {}
-    for name, t in state.items():
-        first.setdefault(id(t), name)
-    assert len(first) < len(state)  # the tie and the shared module share a tensor
-    assert walked.missing(set()) == list(first.values())  # a tied tensor is reported once
-    assert walked.missing(set(state)) == []
-    tied = next(n for n in state if first[id(state[n])] != n)  # installed under its second name
-    assert first[id(state[tied])] not in walked.missing({tied})
-
-
 def test_post_processing_finds_quant_method_however_it_is_defined() -> None:
-    from aload.install import Loader
+    from aload import Loader
 
     seen: list[str] = []
 
@@ -535,37 +496,6 @@ def test_post_processing_finds_quant_method_however_it_is_defined() -> None:
     model = nn.Sequential(inst, ClassAttr(2, 2), Prop(2, 2), NoneProp(2, 2), sub, nn.Linear(2, 2), inst)
     Loader().postprocess_weights(model, torch.device("cpu"))
     assert seen == ["instance", "class", "property", "submodule"]  # inst once, though it is there twice
-
-
-async def test_post_processing_after_the_built_in_loader_walks_only_where_needed(
-    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The built-in loader's walk found no quant method: post-processing walks the model no more
-    (loading copies bytes, it gives no module a method). A hook that runs between the two phases
-    may give one: then post-processing walks and finds it."""
-    from aload import install
-
-    walks: list[nn.Module] = []
-    real = install._modules
-    monkeypatch.setattr(install, "_modules", lambda m: walks.append(m) or real(m))
-    path = write({"0.weight": torch.ones(2, 2), "1.weight": torch.full((2, 2), 2.0)})
-    model = nn.Sequential(nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False))
-    await aload.load(model, path)
-    assert walks == [] and model[1].weight.sum().item() == 8.0
-
-    seen: list[float] = []
-
-    class Method:
-        def process_weights_after_loading(self, module: nn.Module) -> None:
-            seen.append(module.weight.sum().item())
-
-    def hook(m: nn.Module) -> None:
-        m[1].quant_method = Method()
-
-    await aload.load(model, path, after_load=[hook])
-    assert walks == [model] and seen == [8.0]
-    await aload.load(model, path)  # the method is there from the start now
-    assert walks == [model, model] and seen == [8.0, 8.0]
 
 
 async def test_loads_running_at_once_in_one_loop_keep_to_their_own_models(tmp_path: Path) -> None:
@@ -632,7 +562,6 @@ from pathlib import Path
 import torch
 from torch import nn
 import aload
-from aload import local
 
 how, folder = sys.argv[1], Path(sys.argv[2])
 
@@ -656,10 +585,7 @@ async def main():
                 pass
     elif how.startswith("http"):
         from examples.range_server import FileServer
-        from aload import wire
 
-        if how == "http-threads":  # every body received on the HTTP client's threads
-            wire.THREAD_BODY_BYTES = 1
         async with FileServer() as srv:
             srv.add_folder(folder)
             await aload.load(plain, srv.url)
@@ -676,7 +602,7 @@ print(sorted({type(o).__qualname__ for o in gc.garbage if type(o).__module__.sta
 """
 
 
-@pytest.mark.parametrize("how", ["builtin", "load_weights", "stream", "http", "http-threads"])
+@pytest.mark.parametrize("how", ["builtin", "load_weights", "stream", "http"])
 def test_a_load_leaves_nothing_for_the_cycle_collector(tmp_path: Path, how: str) -> None:
     """Once a load returns, its objects (a plan of two tracked objects per tensor, the reader, the
     bridge, the store and its sources) are freed at once, not left in a reference cycle for the
@@ -696,134 +622,11 @@ def test_a_load_leaves_nothing_for_the_cycle_collector(tmp_path: Path, how: str)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 
-async def test_what_a_load_leaves_is_freed_a_piece_per_turn_of_the_loop() -> None:
-    """``free_in_pieces`` empties its lists in order, a piece per turn, with the loop's other
-    callbacks run in between; the first piece goes in the next turn, not in the caller's."""
-    from aload._threads import free_in_pieces
-
-    a, b, c, d = list(range(5)), list(range(4)), {i: i for i in range(2)}, set(range(3))
-    seen: list[tuple[int, ...]] = []
-    free_in_pieces([a, b, c, d], piece=3)
-    assert (len(a), len(b), len(c), len(d)) == (5, 4, 2, 3)
-    for _ in range(6):
-        await asyncio.sleep(0)  # one turn of the loop each
-        seen.append((len(a), len(b), len(c), len(d)))
-    assert seen == [(2, 4, 2, 3), (0, 3, 2, 3), (0, 0, 2, 3), (0, 0, 0, 2), (0, 0, 0, 0), (0, 0, 0, 0)]
-
-
-async def test_a_load_frees_its_plan_and_walk_after_it_returns_and_leaves_the_callers_checkpoint_whole(
-    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The plan a load made (an item per tensor) and the built-in loader's walk over the model (a
-    name per parameter) are freed in the loop's next turns, not as ``load`` returns (the walk on
-    the loader's thread, holding the GIL); a checkpoint the caller opened keeps its specs and
-    loads again."""
-    import weakref
-
-    from aload import install, pipeline
-
-    units: list[weakref.ref[Any]] = []
-    walks: list[Any] = []
-
-    def make_plan(*args: Any, **kwargs: Any) -> Any:
-        plan = real(*args, **kwargs)
-        units.extend(weakref.ref(u) for u in plan.units)
-        return plan
-
-    def walk(model: nn.Module) -> Any:
-        walks.append(real_walk(model))
-        return walks[-1]
-
-    real, real_walk = pipeline.make_plan, install._walk
-    monkeypatch.setattr(pipeline, "make_plan", make_plan)
-    monkeypatch.setattr(install, "_walk", walk)
-    folder = write({f"t{i}": torch.full((4,), float(i)) for i in range(50)})
-    model = nn.Module()
-    for i in range(50):
-        model.register_buffer(f"t{i}", torch.zeros(4))
-    async with await aload.open(folder) as ckpt:
-        for _ in range(2):
-            await aload.load(model, ckpt)
-            (spent,) = walks  # each load walks the model anew
-            assert any(u() is not None for u in units)  # not freed on the way out of load
-            assert len(spent.targets) == len(spent.state) == 50
-            for _ in range(3):
-                await asyncio.sleep(0)
-            assert units and all(u() is None for u in units)
-            assert len(spent.targets) == len(spent.state) == 0
-            assert len(ckpt.specs) == 50
-            units.clear()
-            walks.clear()
-        assert model.t49.tolist() == [49.0] * 4
-
-
-async def test_a_sharded_load_starts_no_thread_of_the_event_loops_own(
-    llama_checkpoint: tuple[Any, Any, Path],
-) -> None:
-    """The index is read on the store's threads, which end with the load, and ``bench_stream``
-    asks the page cache on a thread of its own: the loop's default executor (whose threads live as
-    long as the loop) is never started."""
-    from aload.bench import bench_stream
-
-    model, cfg, folder = llama_checkpoint
-    target = type(model)(cfg)
-    before = {t.name for t in threading.enumerate()}
-    await aload.load(target, folder)
-    row = await bench_stream(str(folder), max_inflight_bytes=1 << 26, concurrency=2, chunk_bytes=1 << 20)
-    started = {t.name for t in threading.enumerate()} - before
-    assert row["tensors"] == len(target.state_dict())
-    assert not [name for name in started if name.startswith("asyncio_")], started
-
-
-@pytest.mark.parametrize("beside", [True, False], ids=["small-model", "large-model"])
-async def test_the_built_in_loaders_walk_runs_on_a_thread_beside_the_checkpoints_open(
-    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, beside: bool
-) -> None:
-    """The walk over a small model (a thread) and the open of the checkpoint (the loop) overlap: the
-    walk here waits for the open to end, which it could not do were they one after the other; a
-    model of more than ``WALK_BESIDE_MODULES`` modules is walked first (two threads running Python
-    at once make the loop late). An open that fails first leaves no walk behind (``no_leaks``), and
-    the open's error is raised."""
-    from aload import checkpoint, loader
-    from aload.install import Loader
-
-    if not beside:
-        monkeypatch.setattr(loader, "WALK_BESIDE_MODULES", 0)
-
-    tensors = {"w": torch.ones(4, 4)}
-    path = write(tensors)
-    opened, seen = threading.Event(), []
-    real_layout, real_dests = checkpoint._read_layout, Loader.destinations
-
-    async def read_layout(*args: Any) -> Any:
-        try:
-            return await real_layout(*args)
-        finally:
-            opened.set()
-
-    def destinations(self: Loader, model: nn.Module, device: torch.device) -> Any:
-        seen.append((threading.current_thread() is threading.main_thread(), opened.wait(5.0 if beside else 0)))
-        return real_dests(self, model, device)
-
-    monkeypatch.setattr(checkpoint, "_read_layout", read_layout)
-    monkeypatch.setattr(Loader, "destinations", destinations)
-    model = nn.Module()
-    model.register_parameter("w", nn.Parameter(torch.zeros(4, 4), requires_grad=False))
-    report = await aload.load(model, path)
-    assert seen == [(False, beside)] and torch.equal(model.w, tensors["w"])
-    assert report.direct_bytes == tensors["w"].nbytes  # read straight in: the walk's destinations were used
-    opened.clear()
-    with pytest.raises(aload.SourceError, match="no such file"):
-        await aload.load(model, tmp_path / "missing")
-
-
 async def test_a_load_cancelled_during_a_long_walk_leaves_no_thread(
     write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aload import loader
-    from aload.install import Loader
+    from aload import Loader
 
-    monkeypatch.setattr(loader, "WALK_BESIDE_MODULES", 0)  # walked first
     walking, real = threading.Event(), Loader.destinations
 
     def destinations(self: Loader, model: nn.Module, device: torch.device) -> Any:
@@ -852,39 +655,13 @@ def _flat_model(tensors: dict[str, torch.Tensor]) -> nn.Module:
     return model
 
 
-async def test_units_read_in_place_wake_the_loaders_thread_a_few_at_a_time(
-    write: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Tensors read straight into their parameters leave the built-in loader nothing to do but
-    take their names: its thread, waiting, is woken for them once a few are ready (or at the
-    end), not once each."""
-    from aload.bridge import SyncBridge
-
-    wakes = [0]
-    real = SyncBridge._wake
-
-    def wake(self: SyncBridge) -> None:
-        wakes[0] += 1
-        real(self)
-
-    monkeypatch.setattr(SyncBridge, "_wake", wake)
-    tensors = {f"t{i:02d}": torch.full((64 * 1024,), float(i)) for i in range(24)}  # 256 KiB each
-    path = write(tensors)
-    model = _flat_model(tensors)
-    # Larger than a chunk: each tensor a unit of its own, read straight into its parameter.
-    report = await aload.load(model, path, chunk_bytes=64 * 1024)
-    assert report.tensors == 24 and report.direct_bytes == sum(t.nbytes for t in tensors.values())
-    assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
-    assert wakes[0] <= 24 // 3
-
-
 async def test_a_loader_holding_tensors_between_units_in_place_gets_the_next_anyway(
     write: Callable[..., Path],
 ) -> None:
-    """A loader that keeps every tensor it is given, with units read in place between them (held
-    back from its thread, ``bridge._in_place``), is still seen as waiting once the budget runs
-    out: the next unit comes as an overdraft, not a deadlock."""
-    tensors = {f"t{i:02d}": torch.full((64 * 1024,), float(i)) for i in range(12)}  # 256 KiB each
+    """A loader that keeps every tensor it is given, with units read in place between them, is
+    still seen as waiting once the budget runs out: the next unit comes as an overdraft, not a
+    deadlock."""
+    tensors = {f"t{i:02d}": torch.full((256 * 1024,), float(i)) for i in range(12)}  # 1 MiB each
     path = write(tensors)
     model = _flat_model(tensors)
     kept: list[torch.Tensor] = []
@@ -907,7 +684,7 @@ async def test_a_loader_holding_tensors_between_units_in_place_gets_the_next_any
             return aload.Installed(names)
 
     report = await asyncio.wait_for(
-        aload.load(model, path, loader=Holding(), max_inflight_bytes=512 * 1024, chunk_bytes=64 * 1024), 60
+        aload.load(model, path, loader=Holding(), max_inflight_bytes=2 * MiB, chunk_bytes=MiB), 60
     )
     assert all(torch.equal(getattr(model, k), v) for k, v in tensors.items())
     assert len(kept) == 6 and report.overdraft_bytes > 0
