@@ -9,7 +9,7 @@ its loop lateness to every other request's. This writes PEFT-shaped adapters for
 one process, into a preallocated slot (a module with a parameter per adapter tensor, as the
 engine's LoRA slots are allocated up front), alternating the loaders' order each repetition:
 
-- ``aload``: ``aload.load`` with the built-in loader (reads straight into the slot);
+- ``aload``: ``aload.load`` with the built-in loader (tensors of 1 MiB or more read straight into the slot);
 - ``aload_lw``: ``aload.load`` into a ``load_weights`` that ``copy_()``s each tensor;
 - ``safe_open``: ``safe_open`` + ``get_tensor`` + ``copy_()`` (vLLM's ``LoRAModel`` reads adapters so);
 - ``load_file``: ``safetensors.torch.load_file`` + ``copy_()``.
