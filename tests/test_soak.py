@@ -52,7 +52,7 @@ async def test_200_local_and_200_http_loads_leak_nothing(sharded: Callable[..., 
             await asyncio.sleep(0.02)
         rss3 = read_status("VmRSS")
     assert (fds1, threads1) == (fds0, threads0), "local loads left descriptors or threads"
-    assert (fds3, threads3) == (fds2, threads2), "HTTP loads left descriptors, connections or threads"
+    assert fds3 <= fds2 and threads3 == threads2, "HTTP loads left descriptors, connections or threads"
     # Each load reads ~1.3 MB: a load's worth kept alive per iteration would add 250+ MiB.
     assert rss1 - rss0 < 32 << 20 and rss3 - rss2 < 32 << 20, (rss1 - rss0, rss3 - rss2)
     print(

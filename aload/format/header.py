@@ -109,7 +109,7 @@ def parse_header(raw: bytes, file_size: int, url: str) -> tuple[list[TensorSpec]
     the length prefix) of a file of ``file_size`` bytes."""
     data_start = 8 + len(raw)
     try:
-        obj = json.loads(raw, object_pairs_hook=_unique)
+        obj = json.loads(raw, object_pairs_hook=unique_keys)
     except RecursionError:  # hostile nesting: the C decoder gives up at the recursion limit
         raise HeaderError("header JSON is nested too deeply", url=url, byte_range=(8, data_start)) from None
     except (UnicodeDecodeError, ValueError) as exc:
@@ -179,7 +179,7 @@ class _Duplicate(ValueError):
     pass
 
 
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object whose keys are all different (safetensors refuses a repeated key)."""
     obj = dict(pairs)
     if len(obj) != len(pairs):

@@ -8,6 +8,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from ..errors import CheckpointError
+from .header import unique_keys
 
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 
@@ -15,7 +16,7 @@ MAX_INDEX_BYTES = 64 * 1024 * 1024
 def parse_index(raw: bytes, url: str) -> tuple[dict[str, str], dict[str, Any], list[str]]:
     """The index's weight map, its metadata, and the files it names (sorted)."""
     try:
-        obj = json.loads(raw, object_pairs_hook=_unique)
+        obj = json.loads(raw, object_pairs_hook=unique_keys)
     except RecursionError:
         raise CheckpointError("index JSON is nested too deeply", url=url) from None
     except (UnicodeDecodeError, ValueError) as exc:
@@ -51,17 +52,3 @@ def check_relative(fname: str, url: str, tensor: str | None = None) -> None:
         or (len(decoded) > 1 and decoded[1] == ":")
     ):
         raise CheckpointError(f"index names a file outside the checkpoint: {fname!r}", url=url, tensor=tensor)
-
-
-class _Duplicate(ValueError):
-    pass
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys are all different (safetensors refuses a repeated key)."""
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise _Duplicate(f"key {key!r} appears twice")
-    return obj

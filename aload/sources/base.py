@@ -86,11 +86,6 @@ class Source(ABC):
     def release(self, offset: int, n: int) -> None:  # noqa: B027 (optional)
         """No tensor views ``buffer(offset, n)`` any more (called from any thread)."""
 
-    @property
-    def read_mode(self) -> str:
-        """How this source's bytes arrive, for reports: "cached", "direct" or "remote"."""
-        return "remote"
-
 
 class Store(ABC):
     """A checkpoint location, and the threads its blocking reads run on (named ``aload-io``,

@@ -133,10 +133,6 @@ class LocalSource(Source):
         share = cached_share(fd, self._size) if self._size >= DIRECT_MIN_FILE_BYTES else None
         return share is not None and share < DIRECT_BELOW_SHARE
 
-    @property
-    def read_mode(self) -> str:
-        return "direct" if self._dfd is not None else "cached"
-
     def size(self) -> int:
         self._opened()
         return self._size

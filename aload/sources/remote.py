@@ -206,10 +206,10 @@ class RemoteStore(Store):
             posixpath.basename(o["path"]) for o in found["objects"] if o["path"].endswith(suffix)
         )
 
-    def get_size(self, name: str) -> int | None:
+    def get_size(self, name: str, src: RemoteSource | None = None) -> int | None:
         """The size of the object ``name``; None where it does not exist."""
         try:
-            return RemoteSource(self, name).size()
+            return (src or RemoteSource(self, name)).size()
         except SourceError as exc:
             if exc.message == _NOT_FOUND:
                 return None
@@ -217,7 +217,7 @@ class RemoteStore(Store):
 
     def get(self, name: str, limit: int) -> bytes | None:
         src = RemoteSource(self, name)
-        size = self.get_size(name)
+        size = self.get_size(name, src)
         if size is None:
             return None
         if size > limit:
