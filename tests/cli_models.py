@@ -27,3 +27,22 @@ class Engine(nn.Module):
 
 def engine() -> Engine:
     return Engine()
+
+
+class Slow(nn.Module):
+    """A ``load_weights`` slow enough to be interrupted."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        import os
+        import time
+        from pathlib import Path
+
+        for _ in weights:
+            if os.environ.get("ALOAD_TEST_READY"):  # tells the test the load is under way
+                Path(os.environ["ALOAD_TEST_READY"]).touch()
+            time.sleep(0.05)
+        return set()
+
+
+def slow() -> Slow:
+    return Slow()

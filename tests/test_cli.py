@@ -269,3 +269,45 @@ def test_load_and_bench_verify_a_manifest(tmp_path: Path) -> None:
     manifest.write_text(f"{'0' * 64}  m.safetensors\n")
     done = run("load", str(path), "--verify", str(manifest))
     assert done.returncode == 2 and "SHA-256 mismatch" in done.stderr and "0" * 64 in done.stderr
+
+
+_INTERRUPTED = """
+import os, signal, sys, threading, time
+import aload
+from tests.cli_models import slow
+threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    aload.load_sync(slow(), sys.argv[1])
+    print("finished")
+except KeyboardInterrupt:
+    time.sleep(0.2)
+    print("interrupted", [t.name for t in threading.enumerate() if t.name.startswith("aload")])
+"""
+
+
+def test_ctrl_c_is_one_keyboard_interrupt_and_leaves_no_thread(tmp_path: Path) -> None:
+    """Ctrl-C in ``load_sync`` raises one KeyboardInterrupt, prints nothing of aload's own and
+    leaves no aload thread; on the command line it is one line and exit code 130."""
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.randn(64, 64) for i in range(64)}, str(path))
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.strip() == "interrupted []" and done.stderr == "", (done.stdout, done.stderr)
+    import signal
+    import time
+
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aload.cli", "load", str(path), "--model", "tests.cli_models:slow"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "ALOAD_TEST_READY": str(ready)},
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines() == ["aload: interrupted"], (proc.returncode, err)
