@@ -237,7 +237,8 @@ async def _supervise(bridge: SyncBridge, loader: Loader, model: nn.Module, dev: 
     with contextlib.suppress(BaseException):
         await pump
     if cancelled:
-        work.exception() if not work.cancelled() else None
+        if not work.cancelled():
+            work.exception()  # retrieved: the cancellation is what is raised
         raise asyncio.CancelledError
     if pump.done() and not pump.cancelled() and pump.exception() is not None:
         exc = work.exception()

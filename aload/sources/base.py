@@ -1,13 +1,13 @@
 """What a place that holds checkpoint bytes must do: ``Store`` (a file, a folder, a URL prefix)
-and ``Source`` (one object in it). Source methods block; the reader calls them on the store's
-threads (``Store.run``), never on the event loop."""
+and ``Source`` (one object in it). Source methods block; the reader awaits their ``a``-forms,
+which run them on the store's threads (``Store.run``), never on the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -57,7 +57,7 @@ class Source(ABC):
     def read_into(self, offset: int, dest: Any, at: int, n: int) -> None:
         """Bytes ``at .. at + n`` of the tensor stored at ``offset``, straight into the same bytes
         of ``dest`` (a contiguous CPU tensor)."""
-        self.readinto(offset + at, [byte_view(dest)[at : at + n]])
+        self.readinto(offset + at, byte_view(dest)[at : at + n])
 
     async def aread_into(self, offset: int, dest: Any, at: int, n: int) -> None:
         await self.run(self.read_into, offset, dest, at, n)
@@ -77,11 +77,11 @@ class Source(ABC):
 
     def fill(self, buf: np.ndarray[Any, Any], offset: int, at: int, n: int) -> None:
         """Put the ``n`` bytes at ``offset + at`` into ``buf[at:at + n]`` (``buf`` from ``buffer(offset, ...)``)."""
-        self.readinto(offset + at, [memoryview(buf[at : at + n])])  # type: ignore[arg-type]
+        self.readinto(offset + at, memoryview(buf[at : at + n]))  # type: ignore[arg-type]
 
     @abstractmethod
-    def readinto(self, offset: int, bufs: Sequence[memoryview]) -> None:
-        """Fill ``bufs``, laid end to end, with the bytes from ``offset``, or raise ``SourceError``."""
+    def readinto(self, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with the bytes from ``offset``, or raise ``SourceError``."""
 
     def release(self, offset: int, n: int) -> None:  # noqa: B027 (optional)
         """No tensor views ``buffer(offset, n)`` any more (called from any thread)."""
@@ -141,7 +141,7 @@ class Store(ABC):
                     fut.exception()
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.submit(self.close).result()  # a file's close may block: not on the loop
+            await asyncio.wrap_future(pool.submit(self.close))  # a file's close may block: not on the loop
             pool.shutdown(wait=True)  # idle threads: a short join
         else:
             self.close()

@@ -13,7 +13,6 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -139,19 +138,18 @@ class LocalSource(Source):
 
     def read(self, offset: int, n: int) -> bytes:
         buf = bytearray(n)
-        self._pread(self._opened(), [memoryview(buf)], offset)
+        self._pread(self._opened(), memoryview(buf), offset)
         return bytes(buf)
 
-    def _pread(self, fd: int, bufs: Sequence[memoryview], offset: int, need: int | None = None) -> None:
-        """Fill ``bufs`` from ``offset``, finishing short reads; ``need``: the bytes that must come
+    def _pread(self, fd: int, buf: memoryview, offset: int, need: int | None = None) -> None:
+        """Fill ``buf`` from ``offset``, finishing short reads; ``need``: the bytes that must come
         (the rest may lie past the end of the file: a direct read's last block)."""
-        bufs = list(bufs)
-        total = sum(len(b) for b in bufs)
+        total = len(buf)
         need = total if need is None else need
         done = 0
         while done < need:
             try:
-                n = os.preadv(fd, bufs[:1024], offset + done)  # IOV_MAX
+                n = os.preadv(fd, [buf[done:]], offset + done)
             except OSError as exc:
                 raise SourceError(
                     f"read failed: {exc.strerror}", url=self.url, byte_range=(offset, offset + total)
@@ -163,10 +161,6 @@ class LocalSource(Source):
                     byte_range=(offset, offset + total),
                 )
             done += n
-            while bufs and n >= len(bufs[0]):
-                n -= len(bufs.pop(0))
-            if bufs and n:
-                bufs[0] = bufs[0][n:]
 
     def _check_length(self, offset: int, n: int) -> None:
         # Touching a mapped page past the end of a file cut short since it was opened would kill
@@ -200,7 +194,7 @@ class LocalSource(Source):
         hi = -(-(offset + at + n) // ALIGN) * ALIGN
         raw = buf.base if buf.base is not None else buf
         first = buf.ctypes.data - raw.ctypes.data + at - (offset + at - lo)
-        self._pread(self._dfd, [memoryview(raw)[first : first + hi - lo]], lo, need=offset + at + n - lo)  # type: ignore[arg-type]
+        self._pread(self._dfd, memoryview(raw)[first : first + hi - lo], lo, need=offset + at + n - lo)  # type: ignore[arg-type]
 
     def read_into(self, offset: int, dest: Any, at: int, n: int) -> None:
         self._opened()
@@ -216,21 +210,18 @@ class LocalSource(Source):
         del src
         self.release(offset + at, n)
 
-    def readinto(self, offset: int, bufs: Sequence[memoryview]) -> None:
+    def readinto(self, offset: int, buf: memoryview) -> None:
         fd = self._opened()
         if self._dfd is None:
-            self._pread(fd, bufs, offset)
+            self._pread(fd, buf, offset)
             return
-        total = sum(len(b) for b in bufs)
+        n = len(buf)
         lo = offset // ALIGN * ALIGN
-        hi = -(-(offset + total) // ALIGN) * ALIGN
+        hi = -(-(offset + n) // ALIGN) * ALIGN
         bounce = self._bounce_of(hi - lo)
-        self._pread(self._dfd, [memoryview(bounce)[: hi - lo]], lo, need=offset + total - lo)  # type: ignore[arg-type]
-        src = torch.from_numpy(bounce)
-        at = offset - lo
-        for b in bufs:  # torch's copy lets go of the GIL
-            torch.frombuffer(b, dtype=torch.uint8).copy_(src[at : at + len(b)])
-            at += len(b)
+        self._pread(self._dfd, memoryview(bounce)[: hi - lo], lo, need=offset + n - lo)  # type: ignore[arg-type]
+        at = offset - lo  # torch's copy lets go of the GIL
+        torch.frombuffer(buf, dtype=torch.uint8).copy_(torch.from_numpy(bounce[at : at + n]))
 
     def _bounce_of(self, n: int) -> np.ndarray[Any, Any]:
         """This thread's aligned bounce buffer, grown to ``n`` bytes."""

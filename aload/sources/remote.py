@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import posixpath
 import threading
-from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -47,17 +46,13 @@ def _translate(exc: Exception, url: str, byte_range: tuple[int, int] | None = No
     return SourceError(why, url=url, byte_range=byte_range)
 
 
-def _copy_into(data: Any, views: list[memoryview]) -> None:
-    """The bytes of ``data`` into ``views`` laid end to end (numpy's copy lets go of the GIL)."""
-    src = np.frombuffer(data, dtype=np.uint8)
-    at = 0
-    for v in views:
-        np.copyto(np.frombuffer(v, dtype=np.uint8), src[at : at + len(v)])
-        at += len(v)
+def _copy_into(data: Any, buf: memoryview) -> None:
+    """The bytes of ``data`` into ``buf`` (numpy's copy lets go of the GIL)."""
+    np.copyto(np.frombuffer(buf, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8))
 
 
 def _copy_into_tensor(data: Any, dest: Any, at: int, n: int) -> None:
-    _copy_into(data, [byte_view(dest)[at : at + n]])
+    _copy_into(data, byte_view(dest)[at : at + n])
 
 
 def _plain_http(scheme: str, config: dict[str, Any]) -> bool:
@@ -112,16 +107,19 @@ class RemoteSource(Source):
     def read(self, offset: int, n: int) -> bytes:
         if not n:
             return b""
+        return bytes(self._get(offset, n))
+
+    def _get(self, offset: int, n: int) -> Any:
         self.size()
         try:
             data = obstore.get(self._store.client, self._path, options=self._options(offset, n)).bytes()  # type: ignore[arg-type]
         except Exception as exc:
             raise _translate(exc, self.url, (offset, offset + n)) from None
-        return bytes(self._checked(data, offset, n))
+        return self._checked(data, offset, n)
 
-    def readinto(self, offset: int, bufs: Sequence[memoryview]) -> None:
-        total = sum(len(b) for b in bufs)
-        _copy_into(self.read(offset, total), list(bufs))
+    def readinto(self, offset: int, buf: memoryview) -> None:
+        if len(buf):
+            _copy_into(self._get(offset, len(buf)), buf)
 
     async def _aget(self, offset: int, n: int) -> Any:
         if self._size is None:
@@ -138,7 +136,7 @@ class RemoteSource(Source):
 
     async def afill(self, buf: np.ndarray[Any, Any], offset: int, at: int, n: int) -> None:
         data = await self._aget(offset + at, n)
-        await self.run(_copy_into, data, [memoryview(buf[at : at + n])])  # type: ignore[arg-type]
+        await self.run(_copy_into, data, memoryview(buf[at : at + n]))  # type: ignore[arg-type]
 
     async def aread_into(self, offset: int, dest: Any, at: int, n: int) -> None:
         data = await self._aget(offset + at, n)
