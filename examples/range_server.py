@@ -8,7 +8,9 @@ tests; it misbehaves on request.
 200 with the whole object), "bad-range" (a Content-Range off by one), "trickle" (send slower than
 any sane timeout), "replace" (serve the object's replacement from now on: new bytes, new ETag),
 "redirect" (307 to the same name under ``redirect_base``, this server if unset), "chunked" (the
-body, ranged or whole, with chunked transfer encoding, no Content-Length). ``ForwardProxy`` is a forward
+body, ranged or whole, with chunked transfer encoding, no Content-Length), "overlong" (a ranged answer
+with 1 MiB more body than its range, chunked). ``etags=False`` serves no ETags (a replaced object
+then shows only in Last-Modified). ``ForwardProxy`` is a forward
 proxy on 127.0.0.1, for ``http_proxy``/``https_proxy``.
 """
 
@@ -18,14 +20,16 @@ import asyncio
 import hashlib
 import re
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime, parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
-#: Every answer's Last-Modified (object stores and their clients expect one).
-LAST_MODIFIED = "Sun, 06 Dec 2026 00:00:00 GMT"
+#: Every answer's Last-Modified (object stores and their clients expect one), later for a replacement.
+LAST_MODIFIED_AT = datetime(2026, 12, 6, tzinfo=timezone.utc)
 
 
 @dataclass
@@ -40,7 +44,9 @@ class FileServer:
     authorizations: list[str | None] = field(default_factory=list)  # each request's Authorization
     agents: list[str] = field(default_factory=list)  # each request's User-Agent
     connections: set[int] = field(default_factory=set)  # one id per connection that asked anything
+    etags: bool = True  # False: answers carry no ETag, only Last-Modified
     _etags: dict[str, str] = field(default_factory=dict)
+    _modified: dict[str, int] = field(default_factory=dict)  # seconds after LAST_MODIFIED_AT, per replacement
 
     def etag(self, name: str) -> str:
         if name not in self._etags:  # hashing a large file per request would dominate
@@ -67,16 +73,23 @@ class FileServer:
         if fault == "replace":
             self.files[name] = bytes(b ^ 0xFF for b in self.files[name])
             self._etags.pop(name, None)
+            self._modified[name] = self._modified.get(name, 0) + 60
             fault = None
         data = self.files[name]
         etag = self.etag(name)
-        stamp = {"ETag": etag, "Last-Modified": LAST_MODIFIED}
+        modified = LAST_MODIFIED_AT + timedelta(seconds=self._modified.get(name, 0))
+        stamp = {"Last-Modified": format_datetime(modified, usegmt=True)}
+        if self.etags:
+            stamp["ETag"] = etag
         if fault == "503":
             return web.Response(status=503, text="busy")
         if fault == "redirect":
             return web.Response(status=307, headers={"Location": f"{self.redirect_base}/{name}"})
         if_match = request.headers.get("If-Match")
         if if_match and if_match != etag:
+            return web.Response(status=412, text="precondition failed")
+        since = request.headers.get("If-Unmodified-Since")
+        if since and parsedate_to_datetime(since) < modified:
             return web.Response(status=412, text="precondition failed")
         m = re.fullmatch(r"bytes=(\d+)-(\d+)", request.headers.get("Range", ""))
         if m is None or fault == "ignore-range":
@@ -89,14 +102,14 @@ class FileServer:
             return web.Response(body=data, headers=stamp)
         first, last = int(m.group(1)), min(int(m.group(2)), len(data) - 1)
         if first >= len(data):  # nothing of the range exists (an empty object): 416, as nginx says
-            return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data)}", "ETag": etag})
-        body = data[first : last + 1]
+            return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data)}", **stamp})
+        body = data[first : last + 1] + (b"\0" * (1 << 20) if fault == "overlong" else b"")
         shown = f"bytes {first + (1 if fault == 'bad-range' else 0)}-{last}/{len(data)}"
         headers = {"Content-Range": shown, **stamp, "Content-Length": str(len(body))}
-        if fault == "chunked":
+        if fault in ("chunked", "overlong"):
             del headers["Content-Length"]
         resp = web.StreamResponse(status=206, headers=headers)
-        if fault == "chunked":
+        if fault in ("chunked", "overlong"):
             resp.enable_chunked_encoding()
         await resp.prepare(request)
         if fault == "cut":

@@ -5,6 +5,7 @@ without its secrets; an object replaced mid-load is an error; a cancelled load s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,70 +19,73 @@ import aload
 from examples.range_server import FileServer
 
 from .conftest import llama_like
+from .stores import BUCKET, Emulator, emulator, environ
 from .test_differential import random_checkpoint, reference, streamed
 
-BUCKET = "aload-test"
+SCHEMES = ["s3", "gs", "az"]
 
 
 @pytest.fixture(scope="module")
-def moto() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
+def emulators(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Emulator]]:
+    """Each object store's server, started when a test first asks for it, stopped at the end."""
+    started: dict[str, Emulator] = {}
+    with contextlib.ExitStack() as stack:
+        yield _Lazy(started, stack, tmp_path_factory.mktemp("emulators"))
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+
+class _Lazy(dict):  # type: ignore[type-arg]
+    def __init__(self, started: dict[str, Emulator], stack: contextlib.ExitStack, tmp: Path) -> None:
+        super().__init__()
+        self._started, self._stack, self._tmp = started, stack, tmp
+
+    def __missing__(self, scheme: str) -> Emulator:
+        self[scheme] = self._stack.enter_context(emulator(scheme, self._tmp))
+        return self[scheme]  # type: ignore[no-any-return]
+
+
+@pytest.fixture(params=SCHEMES)
+def bucket(request: pytest.FixtureRequest, emulators: dict[str, Emulator], monkeypatch: pytest.MonkeyPatch) -> Emulator:
+    """One object store (each in turn), with the environment obstore reads pointing at it."""
+    emu = emulators[request.param]
+    environ(emu, monkeypatch)
+    return emu
 
 
 @pytest.fixture
-def s3(moto: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A boto3 client on moto's server, with the variables obstore reads pointing there too."""
-    import boto3
-
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing-secret",
-        "AWS_REGION": "us-east-1",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": moto,
-    }
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    client = boto3.client("s3", endpoint_url=moto)
-    if BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
-        client.create_bucket(Bucket=BUCKET)
-    return client
+def s3(emulators: dict[str, Emulator], monkeypatch: pytest.MonkeyPatch) -> Emulator:
+    environ(emulators["s3"], monkeypatch)
+    return emulators["s3"]
 
 
-def upload(client: Any, path: Path, prefix: str) -> str:
-    files = [path] if path.is_file() else sorted(path.iterdir())
-    for f in files:
-        client.upload_file(str(f), BUCKET, f"{prefix}/{f.name}")
-    return f"s3://{BUCKET}/{prefix}" + (f"/{path.name}" if path.is_file() else "")
-
-
-@pytest.mark.parametrize("seed", range(4))
-async def test_s3_streams_equal_safetensors(s3: Any, tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize("seed", range(3))
+async def test_every_store_streams_equal_safetensors(bucket: Emulator, tmp_path: Path, seed: int) -> None:
     path = random_checkpoint(tmp_path / "ckpt", seed)
-    url = upload(s3, path, f"diff{seed}")
+    url = bucket.put(path, f"diff{seed}")
     assert await streamed(url) == reference(path)
 
 
-async def test_a_sharded_checkpoint_loads_from_s3_and_http(s3: Any, sharded: Any) -> None:
+async def test_a_sharded_checkpoint_loads_from_every_store_and_http(bucket: Emulator, sharded: Any) -> None:
     tensors = llama_like(hidden=128)
     folder = sharded(tensors, 3)
-    url = upload(s3, folder, "llama")
-    model = nn.ParameterDict({k.replace(".", "_"): nn.Parameter(torch.zeros_like(v)) for k, v in tensors.items()})
     rename = aload.stages.rename(r"\.", "_")
-    report = await aload.load(model, url, stages=rename, chunk_bytes=64 << 10)
+
+    def fresh() -> nn.ParameterDict:
+        return nn.ParameterDict({k.replace(".", "_"): nn.Parameter(torch.zeros_like(v)) for k, v in tensors.items()})
+
+    model = fresh()
+    report = await aload.load(model, bucket.put(folder, "llama"), stages=rename, chunk_bytes=64 << 10)
     assert report.tensors == len(tensors) and report.bytes_read == report.bytes
     assert all(torch.equal(model[k.replace(".", "_")], v) for k, v in tensors.items())
-    async with FileServer() as srv:
+    index = folder / "model.safetensors.index.json"
+    async with FileServer() as srv:  # plain HTTP, the same folder
         srv.add_folder(folder)
-        model2 = nn.ParameterDict({k.replace(".", "_"): nn.Parameter(torch.zeros_like(v)) for k, v in tensors.items()})
-        await aload.load(model2, srv.url, stages=rename)
-    assert all(torch.equal(model2[k.replace(".", "_")], v) for k, v in tensors.items())
+        model = fresh()
+        await aload.load(model, srv.url, stages=rename)
+    assert all(torch.equal(model[k.replace(".", "_")], v) for k, v in tensors.items())
+    index.unlink()  # a prefix without an index is listed
+    model = fresh()
+    await aload.load(model, bucket.put(folder, "listed"), stages=rename)
+    assert all(torch.equal(model[k.replace(".", "_")], v) for k, v in tensors.items())
 
 
 async def test_a_missing_object_or_bucket_is_an_error_naming_it(s3: Any) -> None:
@@ -146,3 +150,22 @@ async def test_a_cancelled_remote_load_stops_at_once(write: Any) -> None:
         task.cancel()
         done, _ = await asyncio.wait([task], timeout=5)  # a trickle would take minutes
         assert done and task.cancelled()
+
+
+def test_the_command_line_inspects_and_loads_every_store(bucket: Emulator, write: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    url = bucket.put(write({"a": torch.ones(4, 4), "b": torch.zeros(3)}), "cli")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "aload.cli", *args], capture_output=True, text=True,
+                              timeout=120, env=dict(os.environ))  # fmt: skip
+
+    info = json.loads(run("inspect", url, "--json").stdout)
+    assert info["tensors"] == 2 and info["bytes"] == 76
+    done = run("load", url)
+    assert done.returncode == 0 and "2 tensors" in done.stdout, done.stderr
+    missing = run("inspect", url.replace("cli/", "nope/"))
+    assert missing.returncode != 0 and "nope/model.safetensors: not found" in missing.stderr

@@ -17,6 +17,12 @@ STORES: dict[str, tuple[str, str | None]] = {
     "http": ("aload.sources.remote:RemoteStore", "remote"),
     "https": ("aload.sources.remote:RemoteStore", "remote"),
     "s3": ("aload.sources.remote:RemoteStore", "remote"),
+    "gs": ("aload.sources.remote:RemoteStore", "remote"),
+    "az": ("aload.sources.remote:RemoteStore", "remote"),
+    "azure": ("aload.sources.remote:RemoteStore", "remote"),
+    "abfs": ("aload.sources.remote:RemoteStore", "remote"),
+    "abfss": ("aload.sources.remote:RemoteStore", "remote"),
+    "hf": ("aload.sources.hub:HubStore", "remote"),
 }
 
 

@@ -1,0 +1,71 @@
+"""``hf://ORG/REPO[@REVISION][/SUBFOLDER]``: a Hugging Face Hub model repository, read through
+the Hub's HTTP endpoint (``{endpoint}/ORG/REPO/resolve/REVISION/...``) with the HTTP store.
+
+The token (``token=``, else ``HF_TOKEN``) goes only to the endpoint's own host: it is a header of
+this store's client, whose requests all go to that host; the client drops it on a redirect to
+another host (the Hub's file storage, whose URLs are signed). ``HF_ENDPOINT`` names a mirror."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from ..errors import UsageError
+from .remote import RemoteStore
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def resolve_url(url: str, endpoint: str) -> str:
+    """The Hub's HTTP URL for ``hf://ORG/REPO[@REVISION][/PATH]``."""
+    rest = url.split("://", 1)[1]
+    parts = rest.split("/")
+    if len(parts) < 2 or not all(_REPO.fullmatch(p) for p in (parts[0], parts[1].split("@", 1)[0])):
+        raise UsageError("a Hub URL is hf://ORG/REPO[@REVISION][/SUBFOLDER]", url=url)
+    repo, _, revision = parts[1].partition("@")
+    path = "/".join(parts[2:])
+    if revision == "" and "@" in parts[1]:
+        raise UsageError("an empty revision after '@'", url=url)
+    if any(p in (".", "..") for p in path.split("/")):
+        raise UsageError("a Hub path may not hold '.' or '..'", url=url)
+    base = f"{endpoint.rstrip('/')}/{parts[0]}/{repo}/resolve/{quote(revision or 'main', safe='')}"
+    return f"{base}/{path}" if path else base
+
+
+class HubStore(RemoteStore):
+    """A Hub repository (or a subfolder, or one file of it), as an HTTP folder or file."""
+
+    def __init__(
+        self,
+        url: str,
+        concurrency: int,
+        *,
+        token: str | None = None,
+        endpoint: str | None = None,
+        client_options: dict[str, Any] | None = None,
+        retry_config: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        ca_bundle: str | None = None,
+    ) -> None:
+        endpoint = endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT
+        if urlsplit(endpoint).scheme not in ("http", "https") or not urlsplit(endpoint).hostname:
+            raise UsageError(f"the Hub endpoint must be an http(s) URL, not {endpoint!r}", url=url)
+        token = token or os.environ.get("HF_TOKEN") or None
+        options = dict(client_options or {})
+        if token:
+            if not token.isascii() or not token.isprintable():
+                raise UsageError("the Hub token holds characters a header cannot carry: check HF_TOKEN", url=url)
+            options["default_headers"] = {**options.get("default_headers", {}), "Authorization": f"Bearer {token}"}
+        super().__init__(
+            resolve_url(url, endpoint),
+            concurrency,
+            client_options=options,
+            retry_config=retry_config,
+            timeout=timeout,
+            ca_bundle=ca_bundle,
+        )
+        self.scheme = "hf"
+        self.secrets += (token,) if token else ()
