@@ -169,6 +169,14 @@ def _counts(text: str) -> list[int]:
     return [_count(x) for x in text.split(",")]
 
 
+def _setting(row: dict[str, Any]) -> str:
+    """A sweep row's setting, as options the command line reads back."""
+    return (
+        f"--budget {_human(row['max_inflight_bytes'])} --concurrency {row['concurrency']} "
+        f"--chunk-bytes {_human(row['chunk_bytes'])}"
+    )
+
+
 def _human(n: int) -> str:
     """The shortest exact spelling ``_size`` reads back: 536870912 -> "512m"."""
     for suffix, unit in (("g", 2**30), ("m", 2**20), ("k", 2**10)):
@@ -178,7 +186,7 @@ def _human(n: int) -> str:
 
 
 async def _bench(args: argparse.Namespace) -> int:
-    from .bench import bench_stream, describe, sweep, uneven_cache
+    from .bench import bench_stream, describe, sweep, uneven_cache, within_noise
 
     if args.cold and not is_local(args.path):
         raise UsageError("--cold drops a local checkpoint from the page cache; this one is remote", url=args.path)
@@ -215,14 +223,20 @@ async def _bench(args: argparse.Namespace) -> int:
                     f"  budget {_human(r['max_inflight_bytes'])}, concurrency {r['concurrency']}, chunk "
                     f"{_human(r['chunk_bytes'])}: {r['gbps']:.2f} GB/s ({min(runs):.2f}-{max(runs):.2f})"
                 )
-        best = rows[0]
         note = uneven_cache(rows)
         if note:
             print(note)
-        print(
-            f"best here: --budget {_human(best['max_inflight_bytes'])} --concurrency {best['concurrency']} "
-            f"--chunk-bytes {_human(best['chunk_bytes'])} ({best['gbps']:.2f} GB/s)"
-        )
+        tied = within_noise(rows)
+        if len(tied) == 1:
+            print(f"best here: {_setting(rows[0])} ({rows[0]['gbps']:.2f} GB/s)")
+        else:
+            low, high = min(r["gbps"] for r in tied), max(r["gbps"] for r in tied)
+            print(
+                f"no clear best: {len(tied)} settings are within noise of each other ({low:.2f}-{high:.2f} GB/s); "
+                "any of them will do (--repeat 3 runs the grid in rounds to separate them):"
+            )
+            for r in tied:
+                print(f"  {_setting(r)} ({r['gbps']:.2f} GB/s)")
     else:
         rows = []
         for i in range(args.repeat):  # repeats in one process: the later runs reuse what the first set up

@@ -324,7 +324,7 @@ def main() -> None:
 
     print(
         f"\naload http / raw aiohttp = {ratio('aload_http', 'aiohttp_raw')} (target >= 0.8); "
-        f"aload http / curl = {ratio('aload_http', 'curl')} (target >= 0.7); "
+        f"aload http / curl = {ratio('aload_http', 'curl')} (target >= 0.6); "
         f"aload s3 / raw obstore = {ratio('aload_s3', 'obstore_raw')} (target >= 0.8); "
         f"aload s3 / Run:ai = {ratio('aload_s3', 'runai_s3')} (target >= 1)\n"
         f"into a model: aload http / raw aiohttp = {ratio('aload_http_model', 'aiohttp_raw_model')}; "

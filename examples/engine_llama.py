@@ -23,6 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _fits(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """The shapes match exactly (``copy_`` would broadcast a row into a matrix)."""
+    if dest.shape != src.shape:
+        raise RuntimeError(f"shape {list(src.shape)} where {list(dest.shape)} is expected")
+
+
 @dataclass
 class Config:
     vocab_size: int
@@ -84,11 +90,11 @@ class Linear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is None:
-            assert param.shape == loaded_weight.shape, (param.shape, loaded_weight.shape)
+            _fits(param, loaded_weight)
             param.data.copy_(loaded_weight)
             return
         start, size = self.shard_offsets[shard_id]
-        assert loaded_weight.shape[0] == size, (shard_id, loaded_weight.shape, size)
+        _fits(param.data[start : start + size], loaded_weight)
         param.data[start : start + size].copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,21 +178,30 @@ class EngineLlama(nn.Module):
         for name, tensor in weights:  # lazily, one tensor at a time
             if "rotary_emb.inv_freq" in name:
                 continue
-            for fused, part, shard in self.stacked_params_mapping:
+            shard: Any = None
+            target = name
+            for fused, part, shard_id in self.stacked_params_mapping:
                 if part in name:
-                    target = name.replace(part, fused)
-                    param = params[target]
-                    param.weight_loader(param, tensor, shard)  # type: ignore[operator]
-                    loaded.add(target)
+                    target, shard = name.replace(part, fused), shard_id
                     break
-            else:
-                param = params[name]
-                loader = getattr(param, "weight_loader", None)
-                if loader is not None:
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter {target!r} in this model")
+            loader = getattr(param, "weight_loader", None)
+            try:
+                if shard is not None:
+                    loader(param, tensor, shard)  # type: ignore[misc]
+                elif loader is not None:
                     loader(param, tensor)
                 else:
+                    _fits(param, tensor)
                     param.data.copy_(tensor)
-                loaded.add(name)
+            except RuntimeError as exc:  # a shape that does not fit: name both sides
+                raise ValueError(
+                    f"checkpoint tensor {name!r} {list(tensor.shape)} does not fit parameter {target!r} "
+                    f"{list(param.shape)}: {exc}"
+                ) from exc
+            loaded.add(target)
         return loaded
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """An async serving frontend that answers while it loads (aiohttp).
 
-    python examples/serve.py CHECKPOINT [--port 8000]      # CHECKPOINT: a Hugging Face Llama folder
+    python examples/serve.py CHECKPOINT [--port 8000] [--allow PREFIX ...]
+    # CHECKPOINT: a Hugging Face Llama folder or URL; PREFIX: where reloads may come from
 
 It listens at once and loads the model in the background with ``aload.load``:
 
@@ -10,7 +11,11 @@ It listens at once and loads the model in the background with ``aload.load``:
 - ``POST /reload`` ``{"checkpoint": PATH}`` loads a new checkpoint into a fresh model while requests
   keep being served, then swaps it in with one assignment: a request sees the old weights or the
   new, never a mix. ``DELETE /reload`` cancels a running load. A failed or cancelled reload
-  leaves the old weights serving and says why.
+  leaves the old weights serving and says why. Only checkpoints under an ``--allow`` prefix (a
+  folder, or a URL prefix) may be reloaded: a reload URL from anyone who can reach the port
+  would otherwise be a way in. Without ``--allow``, the start checkpoint's own folder or URL.
+
+A malformed request is answered 400 with the reason. Each load is logged with its report line.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import posixpath
 import sys
 import tempfile
 import time
@@ -37,6 +44,39 @@ from aload.sources import open_store
 from examples.engine_llama import Config, EngineLlama
 
 ModelFactory = Callable[[Path], nn.Module]
+log = logging.getLogger("serve")
+
+
+def _under(checkpoint: str, prefix: str) -> bool:
+    """Whether ``checkpoint`` lies under ``prefix``: local paths compared resolved, URLs by
+    scheme, host and whole path segments (``..`` refused)."""
+    local = "://" not in checkpoint or checkpoint.startswith("file://")
+    if local != ("://" not in prefix or prefix.startswith("file://")):
+        return False
+    if local:
+        path = Path(checkpoint.removeprefix("file://")).resolve()
+        return path.is_relative_to(Path(prefix.removeprefix("file://")).resolve())
+    if ".." in checkpoint.split("/") or "?" in checkpoint or "#" in checkpoint:
+        return False
+    head, _, tail = checkpoint.partition("://")
+    phead, _, ptail = prefix.partition("://")
+    tail, ptail = posixpath.normpath(tail), posixpath.normpath(ptail)
+    return head == phead and (tail == ptail or tail.startswith(ptail.rstrip("/") + "/"))
+
+
+class BadRequest(web.HTTPBadRequest):
+    def __init__(self, reason: str) -> None:
+        super().__init__(text=json.dumps({"error": reason}), content_type="application/json")
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
 
 
 def engine_llama_factory(folder: Path) -> nn.Module:
@@ -62,9 +102,29 @@ async def config_folder(checkpoint: str, tmp: Path) -> Path:
     return tmp
 
 
+def _vocab(model: nn.Module) -> int | None:
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return embedding.num_embeddings if embedding is not None else None
+
+
+def _ids(ids: Any, vocab: int | None) -> torch.Tensor:
+    """``ids`` checked: a non-empty list of equally long, non-empty lists of token ids in range."""
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(row, list) and row and len(row) == len(ids[0]) for row in ids)
+        or not all(isinstance(i, int) and not isinstance(i, bool) for row in ids for i in row)
+    ):
+        raise BadRequest('expected {"ids": [[int, ...], ...]}: non-empty rows of token ids, all of one length')
+    if vocab is not None and not all(0 <= i < vocab for row in ids for i in row):
+        raise BadRequest(f"token ids must lie in [0, {vocab})")
+    return torch.tensor(ids, dtype=torch.long)
+
+
 class Server:
-    def __init__(self, factory: ModelFactory = engine_llama_factory) -> None:
+    def __init__(self, factory: ModelFactory = engine_llama_factory, allow: list[str] | None = None) -> None:
         self.factory = factory
+        self.allow = list(allow or [])  # reloads only from under these; empty: the start checkpoint's
         self.model: nn.Module | None = None  # swapped by one assignment: the consistency point
         self.version = 0
         self.checkpoint: str | None = None
@@ -90,11 +150,16 @@ class Server:
             self.model, self.checkpoint = model, checkpoint  # the swap
             self.version += 1
             self.last_report = asdict(report)
+            log.info("loaded %s as version %d: %s", checkpoint, self.version, report.summary())
         except asyncio.CancelledError:
             self.error = "load cancelled; the previous weights keep serving"
+            log.warning("load of %s cancelled; version %d keeps serving", checkpoint, self.version)
             raise
         except Exception as exc:  # reported on /ready; the old model keeps serving
-            self.error = f"{type(exc).__name__}: {exc}"
+            delivered = getattr(exc, "aload_delivered", None)
+            where = f" (after tensor {delivered[-1]!r})" if delivered else ""
+            self.error = f"{type(exc).__name__}: {exc}{where}"
+            log.error("load of %s failed; version %d keeps serving: %s", checkpoint, self.version, self.error)
 
     def _on_progress(self, p: aload.Progress) -> None:
         self.progress = p
@@ -127,7 +192,7 @@ class Server:
         model, version = self.model, self.version  # one reference for the whole request
         if model is None:
             return web.json_response({"error": "no weights loaded yet; see /ready"}, status=503)
-        ids = torch.tensor((await request.json())["ids"], dtype=torch.long)
+        ids = _ids((await _json_object(request)).get("ids"), _vocab(model))
 
         def run() -> list[list[int]]:
             with torch.no_grad():
@@ -143,7 +208,12 @@ class Server:
         return web.json_response({"cancelled": True, "version": self.version})
 
     async def reload(self, request: web.Request) -> web.Response:
-        checkpoint = (await request.json())["checkpoint"]
+        checkpoint = (await _json_object(request)).get("checkpoint")
+        if not isinstance(checkpoint, str) or not checkpoint:
+            raise BadRequest('expected {"checkpoint": "PATH or URL"}')
+        if not any(_under(checkpoint, prefix) for prefix in self.allow):
+            log.warning("reload of %s refused: not under an allowed prefix", checkpoint)
+            return web.json_response({"error": "checkpoint not under an allowed prefix (--allow)"}, status=403)
         if not self.start_load(checkpoint):
             return web.json_response({"error": "a load is already running"}, status=409)
         return web.json_response({"accepted": checkpoint}, status=202)
@@ -159,6 +229,9 @@ class Server:
                 web.delete("/reload", self.cancel),
             ]
         )
+
+        if checkpoint is not None and not self.allow:
+            self.allow = [checkpoint]
 
         async def lifecycle(app: web.Application) -> Any:
             if checkpoint is not None:
@@ -177,9 +250,16 @@ def main() -> None:
     ap.add_argument("checkpoint")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument(
+        "--allow",
+        action="append",
+        metavar="PREFIX",
+        help="a folder or URL prefix reloads may come from (repeatable; default: the start checkpoint's)",
+    )
     a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     print(json.dumps({"listening": f"http://{a.host}:{a.port}", "loading": a.checkpoint, "t": time.time()}))
-    web.run_app(Server().app(a.checkpoint), host=a.host, port=a.port)
+    web.run_app(Server(allow=a.allow).app(a.checkpoint), host=a.host, port=a.port)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -218,8 +220,27 @@ def test_bench_sweep_reports_the_best_setting(tmp_path: Path) -> None:
     assert [line.split("]")[0] for line in lines] == ["[1/4", "[2/4", "[3/4", "[4/4"]
     assert lines[0].startswith("[1/4] budget 1m, concurrency 1, chunk 1m: ") and "GB/s" in lines[0]
     assert "untimed run" in done.stderr
-    assert "best here: --budget 1m --concurrency" in done.stdout  # in the units --budget reads back
-    assert " --chunk-bytes 1m " in done.stdout or " --chunk-bytes 4k " in done.stdout
+    # runs of a few milliseconds are repeated: each setting stands by the median of several
+    assert all(len(r["gbps_runs"]) > 1 for r in rows)
+    # a best setting in the units --budget reads back, or the settings within noise of each other
+    settings = re.findall(r"--budget 1m --concurrency [12] --chunk-bytes (?:1m|4k) \(", done.stdout)
+    if "no clear best: " in done.stdout:
+        tied = int(done.stdout.split("no clear best: ")[1].split()[0])
+        assert tied >= 2 and len(settings) == tied
+    else:
+        assert "best here: " in done.stdout and len(settings) == 1
+
+
+def test_a_sweep_names_no_best_among_settings_within_noise() -> None:
+    from aload.bench import within_noise
+
+    def row(gbps: float, *runs: float) -> dict[str, float | list[float]]:
+        return {"gbps": gbps, "gbps_runs": list(runs) or [gbps]}
+
+    assert len(within_noise([row(1.00), row(0.97), row(0.80)])) == 2  # 3% apart: noise
+    assert len(within_noise([row(1.00), row(0.80)])) == 1  # 20% apart: a best
+    # 15% apart, but the best's own runs spread 30%: no telling them apart
+    assert len(within_noise([row(1.00, 0.8, 1.0, 1.1), row(0.85)])) == 2
 
 
 def test_bench_sweep_in_rounds_alternates_its_order_and_ranks_by_medians(tmp_path: Path) -> None:
@@ -237,7 +258,8 @@ def test_bench_sweep_in_rounds_alternates_its_order_and_ranks_by_medians(tmp_pat
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 2 and rows[0]["gbps"] >= rows[1]["gbps"]
     for row in rows:
-        assert len(row["gbps_runs"]) == 3 and row["gbps"] == sorted(row["gbps_runs"])[1]
+        runs = sorted(row["gbps_runs"])  # 3 rounds, each run this short repeated
+        assert len(runs) >= 3 and row["gbps"] == runs[(len(runs) - 1) // 2]
     assert "medians of 3 rounds, best first:" in done.stdout
     assert run("bench", str(path), "--repeat", "0").returncode == 2
 
@@ -285,15 +307,21 @@ except KeyboardInterrupt:
 """
 
 
-def test_ctrl_c_is_one_keyboard_interrupt_and_leaves_no_thread(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [[], ["-X", "dev"]], ids=["plain", "dev-mode"])
+def test_ctrl_c_in_load_sync_is_one_keyboard_interrupt_and_leaves_no_thread(tmp_path: Path, flags: list[str]) -> None:
     """Ctrl-C in ``load_sync`` raises one KeyboardInterrupt, prints nothing of aload's own and
-    leaves no aload thread; on the command line it is one line and exit code 130."""
+    leaves no aload thread; also in Python's development mode (asyncio debug, all warnings)."""
     path = tmp_path / "m.safetensors"
     save_file({f"t{i}": torch.randn(64, 64) for i in range(64)}, str(path))
     done = subprocess.run(
-        [sys.executable, "-c", _INTERRUPTED, str(path)], capture_output=True, text=True, timeout=120
+        [sys.executable, *flags, "-c", _INTERRUPTED, str(path)], capture_output=True, text=True, timeout=120
     )
     assert done.stdout.strip() == "interrupted []" and done.stderr == "", (done.stdout, done.stderr)
+
+
+def test_ctrl_c_on_the_command_line_is_one_line_and_exit_code_130(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.randn(64, 64) for i in range(64)}, str(path))
     import signal
     import time
 

@@ -55,7 +55,8 @@ async def test_serves_while_loading_and_swaps_atomically(checkpoints: dict[str, 
         time.sleep(0.3)  # a model that takes a while to build (in a thread): requests keep coming
         return engine_llama_factory(folder)
 
-    server = Server(slow_factory)
+    root = str(Path(checkpoints["a"][0]).parents[1])  # every checkpoint's folder is under it
+    server = Server(slow_factory, allow=[root])
     runner = web.AppRunner(server.app(checkpoints["a"][0]))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -118,6 +119,7 @@ async def test_serves_while_loading_and_swaps_atomically(checkpoints: dict[str, 
             # 4. a reload from a remote checkpoint (HTTP): config.json and weights come over the wire
             async with FileServer() as origin:
                 origin.add_folder(Path(checkpoints["a"][0]))
+                server.allow.append(origin.url)
                 async with http.post(f"{base}/reload", json={"checkpoint": origin.url}) as r:
                     assert r.status == 202
                 state = await health_until(lambda s: not s["loading"])
@@ -141,3 +143,54 @@ async def test_serves_while_loading_and_swaps_atomically(checkpoints: dict[str, 
         f"\n/health during loads: {len(health_ms)} requests, p50 {statistics.median(health_ms):.2f} ms, "
         f"max {max(health_ms):.2f} ms; /generate answers {len(answers)}, all consistent"
     )
+
+
+async def test_bad_requests_refused_reloads_and_a_shape_mismatch_are_named(
+    checkpoints: dict[str, Any], tmp_path: Path, caplog: Any
+) -> None:
+    import json
+    import logging
+    import shutil
+
+    caplog.set_level(logging.INFO, logger="serve")
+    mismatch = tmp_path / "allowed" / "mismatch"
+    shutil.copytree(checkpoints["a"][0], mismatch)
+    config = json.loads((mismatch / "config.json").read_text())
+    (mismatch / "config.json").write_text(json.dumps({**config, "intermediate_size": 512}))
+    server = Server(engine_llama_factory, allow=[str(tmp_path / "allowed")])
+    runner = web.AppRunner(server.app(checkpoints["a"][0]))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        async with aiohttp.ClientSession() as http:
+            while server.model is None:
+                await asyncio.sleep(0.01)
+            assert "loaded " in caplog.text and "tensors" in caplog.text  # the report line, logged
+            bad = [
+                ("generate", b"not json"),
+                ("generate", b"[1, 2]"),
+                ("generate", b'{"ids": [[1, 2], [3]]}'),
+                ("generate", b'{"ids": [["a"]]}'),
+                ("generate", b'{"ids": [[100000]]}'),
+                ("generate", b'{"ids": []}'),
+                ("reload", b'{"checkpoint": 7}'),
+                ("reload", b"{}"),
+            ]
+            for path, body in bad:
+                async with http.post(f"{base}/{path}", data=body) as r:
+                    assert r.status == 400, (path, body, r.status)
+                    assert (await r.json())["error"]
+            for outside in [checkpoints["b"][0], str(tmp_path / "allowed" / ".." / "x"), "http://127.0.0.1:1/m"]:
+                async with http.post(f"{base}/reload", json={"checkpoint": outside}) as r:
+                    assert r.status == 403, outside
+            assert "refused" in caplog.text
+            async with http.post(f"{base}/reload", json={"checkpoint": str(mismatch)}) as r:
+                assert r.status == 202
+            while server.loading is not None and not server.loading.done():
+                await asyncio.sleep(0.01)
+            assert server.version == 1 and "mlp.gate_proj.weight" in (server.error or ""), server.error
+            assert "[688, 256]" in server.error and "[512, 256]" in server.error
+    finally:
+        await runner.cleanup()
