@@ -5,7 +5,7 @@ bytes come from) -> ``read`` (plan and budgeted reader) -> ``stages`` -> ``strea
 ``load`` (the bridge to ``model.load_weights`` and post-processing)."""
 
 from . import stages
-from .errors import AloadError, CheckpointError, HeaderError, LoadError, SourceError, UsageError
+from .errors import AloadError, CheckpointError, GroupError, HeaderError, LoadError, SourceError, UsageError
 from .format import Checkpoint, Shard, TensorSpec
 from .load import Installed, LoadCancelled, Loader, LoadReport, load, load_sync
 from .read import Progress, ReaderStats
@@ -16,7 +16,8 @@ __version__ = "0.2.0"
 
 
 def open(url: str, *, concurrency: int | None = None, **options: object) -> Opening:
-    """Open the checkpoint at ``url`` (a path, ``file://``, ``http(s)://`` or ``s3://``), reading
+    """Open the checkpoint at ``url`` (a path, ``file://``, ``http(s)://``, ``hf://``, ``s3://``,
+    ``gs://`` or ``az://``), reading
     only its index and headers: ``await aload.open(url)`` or ``async with aload.open(url) as ckpt``."""
     from .read import DEFAULT_CONCURRENCY
 
@@ -28,6 +29,7 @@ __all__ = [
     "AloadError",
     "Checkpoint",
     "CheckpointError",
+    "GroupError",
     "HeaderError",
     "Installed",
     "LoadCancelled",

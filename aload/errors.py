@@ -8,7 +8,8 @@ the byte range. Library errors are translated where they are caught, with ``from
     ├── SourceError (OSError)       bytes could not be read: missing file, short read, I/O error
     ├── CheckpointError             the checkpoint is malformed or inconsistent
     │   └── HeaderError             a safetensors header is refused
-    └── LoadError                   the weights do not fit the model: missing, unexpected, shapes
+    ├── LoadError                   the weights do not fit the model: missing, unexpected, shapes
+    └── GroupError                  another rank of the process group failed, or did not answer in time
 
 Errors raised by user code (``model.load_weights``, a stage, a hook) are not wrapped:
 they propagate unchanged. Any error out of ``aload.load`` (cancellation included) carries
@@ -73,6 +74,13 @@ class HeaderError(CheckpointError):
 
 class LoadError(AloadError):
     """The checkpoint's weights do not fit the model."""
+
+
+class GroupError(AloadError):
+    """A load shared by the ranks of a ``torch.distributed`` group ended because another rank
+    failed or did not answer in time; ``.rank`` is that rank (in the group), None where unknown."""
+
+    rank: int | None = None
 
 
 def add_note(exc: BaseException, note: str) -> None:

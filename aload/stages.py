@@ -17,6 +17,7 @@ from typing import Union
 import torch
 
 from .errors import UsageError, add_note
+from .read.plan import SliceFn
 
 Pair = tuple[str, torch.Tensor]
 Pattern = Union[str, "re.Pattern[str]", Callable[[str], bool]]
@@ -110,14 +111,24 @@ def flatten(stages: Iterable[Stage] | Stage) -> list[Stage]:
     return out
 
 
-def split_for_plan(stages: Iterable[Stage] | Stage) -> tuple[Callable[[str], str | None] | None, list[Stage]]:
-    """The leading name-only stages as one name function (applied to the read plan), and the rest."""
+def split_for_plan(
+    stages: Iterable[Stage] | Stage,
+) -> tuple[Callable[[str], str | None] | None, SliceFn | None, list[Stage]]:
+    """The leading name-only stages as one name function (applied to the read plan), a slicing
+    stage right after them as the plan's slice function (only the kept part is read), and the
+    rest, applied to the tensors."""
     flat = flatten(stages)
     n = 0
     while n < len(flat) and getattr(flat[n], "name_fn", None) is not None:
         n += 1
+    slices = None
+    if n < len(flat) and isinstance(flat[n], SliceStage):
+        slices = flat[n].slice_fn  # type: ignore[attr-defined]
+        rest = flat[n + 1 :]
+    else:
+        rest = flat[n:]
     if n == 0:
-        return None, flat
+        return None, slices, rest
     fns = [s.name_fn for s in flat[:n]]
 
     def names(name: str) -> str | None:
@@ -129,7 +140,7 @@ def split_for_plan(stages: Iterable[Stage] | Stage) -> tuple[Callable[[str], str
             name = new
         return name
 
-    return names, flat[n:]
+    return names, slices, rest
 
 
 def _predicate(pattern: Pattern) -> Callable[[str], bool]:
@@ -230,26 +241,48 @@ def select_experts(experts: Iterable[int], *, pattern: str = r"\.experts\.(\d+)\
     return NameStage(pick, f"select_experts({sorted(local)})")
 
 
+class SliceStage(MapStage):
+    """A stage that keeps a part of some tensors (``slice_fn(name, shape) -> (dim, start, size)``
+    or None). Right after the name stages (or first), it is planned: only a dim-0 part's bytes are
+    read; a part on another dim is cut from the whole tensor. Elsewhere it narrows as it goes."""
+
+    def __init__(self, slice_fn: SliceFn, label: str) -> None:
+        self.slice_fn = slice_fn
+        self._label = label
+
+        def narrow(name: str, t: torch.Tensor) -> torch.Tensor:
+            part = slice_fn(name, tuple(t.shape))
+            return t if part is None else t.narrow(*part)
+
+        super().__init__(narrow, None)
+
+    def __repr__(self) -> str:
+        return self._label
+
+
 def tensor_parallel(
     rank: int, world_size: int, *, column: Sequence[Pattern] = (), row: Sequence[Pattern] = ()
 ) -> Stage:
     """Tensor parallelism: this rank's slice of column-parallel weights (dim 0) and row-parallel
-    weights (dim 1). The slice is a view; other tensors pass unchanged."""
+    weights (dim 1); other tensors pass unchanged. Planned where it comes right after the name
+    stages (or first): a column-parallel weight's rows are the only bytes read, so the ranks of a
+    group read different bytes for them and share none of it; a row-parallel weight is read
+    whole (and shared) and its slice delivered as a view."""
     if not 0 <= rank < world_size:
         raise UsageError(f"rank must be in [0, {world_size}), got {rank}")
     is_col = _any(column) if column else (lambda n: False)
     is_row = _any(row) if row else (lambda n: False)
 
-    def shard(name: str, t: torch.Tensor) -> torch.Tensor:
-        dim = 0 if is_col(name) else 1 if is_row(name) and t.dim() > 1 else None
+    def part(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        dim = 0 if is_col(name) and shape else 1 if is_row(name) and len(shape) > 1 else None
         if dim is None:
-            return t
-        if t.shape[dim] % world_size:
-            raise UsageError(f"dim {dim} of size {t.shape[dim]} does not split {world_size} ways", tensor=name)
-        size = t.shape[dim] // world_size
-        return t.narrow(dim, rank * size, size)
+            return None
+        if shape[dim] % world_size:
+            raise UsageError(f"dim {dim} of size {shape[dim]} does not split {world_size} ways", tensor=name)
+        size = shape[dim] // world_size
+        return dim, rank * size, size
 
-    return map(shard)
+    return SliceStage(part, f"tensor_parallel({rank}, {world_size})")
 
 
 def permute_qk_for_rotary(*, num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int) -> Stage:

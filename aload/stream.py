@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -10,16 +11,20 @@ from typing import Any
 
 import numpy as np
 
+from .errors import UsageError
 from .format import Checkpoint
 from .read import (
     DEFAULT_CONCURRENCY,
+    DEFAULT_GROUP_TIMEOUT_S,
     DEFAULT_MAX_INFLIGHT_BYTES,
     DestFn,
     Manifest,
+    Plan,
     Progress,
     Reader,
     ReaderStats,
     ShardHash,
+    Share,
     Unit,
     check_positive,
     digests_for,
@@ -52,13 +57,18 @@ class TensorStream:
         options: dict[str, Any] | None = None,
         destinations: Callable[[Checkpoint], Any] | None = None,
         t0: float | None = None,
+        group: Any = None,
+        share: str = "broadcast",
+        group_timeout: float = DEFAULT_GROUP_TIMEOUT_S,
     ) -> None:
         check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency)
         if chunk_bytes is not None:
             check_positive(chunk_bytes=chunk_bytes)
         self._source = source
         self._t0 = time.perf_counter() if t0 is None else t0
-        self._names, self._stages = split_for_plan(stages)
+        self._names, self._slices, self._stages = split_for_plan(stages)
+        # A process group's agreement (``read/share.py``); checked before anything is opened.
+        self._share = Share(group, share, group_timeout) if group is not None and group is not False else None
         self._budget, self._concurrency, self._chunk = max_inflight_bytes, concurrency, chunk_bytes
         self._progress = progress
         self._verify = verify
@@ -103,11 +113,18 @@ class TensorStream:
             self._chunk = store.chunk_bytes
         sources = {s.url: store.source(s.name) for s in ckpt.shards}
         # Units of small tensors stay well under the budget, so that several are in flight at once.
-        args = (ckpt, sources, self._names, dest, self._chunk, hashes is not None, max(1, self._budget // 4))
+        args = (
+            ckpt, sources, self._names, dest, self._chunk, hashes is not None, max(1, self._budget // 4), self._slices
+        )  # fmt: skip
         if len(ckpt.specs) > _PLAN_INLINE_TENSORS:
             plan = await store.run(make_plan, *args)
         else:
             plan = make_plan(*args)
+        if self._share is not None:
+            self._share.bind(plan)
+            self._share.piece_bytes = self._chunk
+            if self._share.mode == "prefetch":
+                await self._prefetch(plan)
         self.reader = Reader(
             plan,
             store.run,
@@ -117,6 +134,7 @@ class TensorStream:
             progress=self._progress,
             t0=self._t0,
             hashes=hashes,
+            share=self._share,
         )
         self.reader.stats.opened_s, self.reader.stats.planned_s = opened - self._t0, time.perf_counter() - self._t0
         it: AsyncIterator[Pair] = self.reader.items()
@@ -124,6 +142,28 @@ class TensorStream:
         for stage in self._stages:
             it = stage(it)
             self._chain.append(it)
+
+    async def _prefetch(self, plan: Plan) -> None:
+        """``share="prefetch"``: this rank's part of a local checkpoint read into the page cache,
+        then every rank waits for the others (a rank that failed ends them all)."""
+        assert self._share is not None and self.checkpoint is not None
+        store = self.checkpoint.store
+        warm = getattr(store, "warm", None)
+        if warm is None:
+            raise UsageError("share='prefetch' warms a local checkpoint's page cache; use 'broadcast' for a remote one")
+        gate = asyncio.Semaphore(self._concurrency)
+
+        async def one(unit: Unit) -> None:
+            async with gate:
+                await store.run(warm, unit.source, unit.start, unit.nbytes)
+
+        try:
+            await asyncio.gather(*(one(u) for u in self._share.owned(plan)))
+        except Exception as exc:
+            await self._share.farewell(f"{type(exc).__name__}: {exc}")
+            await self._share.aclose()
+            raise
+        await self._share.barrier()
 
     async def units(self) -> AsyncIterator[tuple[Unit, np.ndarray[Any, Any] | None]]:
         """Whole units in plan order, for a consumer that cuts the tensors itself on its own
@@ -148,12 +188,13 @@ class TensorStream:
             await self.start()
             pair: Pair = await self._chain[-1].__anext__()
             return pair
-        except BaseException:
-            await self.aclose()
+        except BaseException as exc:
+            await self.aclose(None if isinstance(exc, StopAsyncIteration) else exc)
             raise
 
-    async def aclose(self) -> None:
-        """Stop every read, close the stages, and close the checkpoint if this stream opened it."""
+    async def aclose(self, error: BaseException | None = None) -> None:
+        """Stop every read, close the stages, and close the checkpoint if this stream opened it.
+        In a process group, ``error`` is what the other ranks are told this rank stopped for."""
         if self._closed:
             return
         self._closed = True
@@ -163,7 +204,10 @@ class TensorStream:
                 if aclose is not None:
                     await aclose()
             if self.reader is not None:
-                await self.reader.aclose()
+                await self.reader.aclose(error)
+            elif self._share is not None:
+                await self._share.farewell(f"{type(error).__name__}: {error}" if error else "it stopped before the end")
+                await self._share.aclose()
         finally:
             if self._owns and self.checkpoint is not None:
                 await self.checkpoint.aclose()
@@ -171,15 +215,15 @@ class TensorStream:
     async def __aenter__(self) -> TensorStream:
         try:
             await self.start()
-        except BaseException:
-            await self.aclose()
+        except BaseException as exc:
+            await self.aclose(exc)
             raise
         return self
 
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self.aclose()
+        await self.aclose(e)
 
 
 def stream(
@@ -191,9 +235,19 @@ def stream(
     chunk_bytes: int | None = None,
     progress: Callable[[Progress], None] | None = None,
     verify: Manifest | None = None,
+    group: Any = None,
+    share: str = "broadcast",
+    group_timeout: float = DEFAULT_GROUP_TIMEOUT_S,
     **options: Any,
 ) -> TensorStream:
     """Stream ``(name, tensor)`` pairs from a path, URL or open ``Checkpoint``.
+
+    ``group`` (a ``torch.distributed`` process group with a gloo backend, or True for the
+    default group) makes the ranks share the work: every rank gets the same pairs, in the same
+    order, and with ``share="broadcast"`` each byte is read by one rank and broadcast to the
+    others; ``share="prefetch"`` splits a page-cache warm-up of a local checkpoint instead,
+    ``share="none"`` shares nothing. A rank that fails ends every rank with a ``GroupError``;
+    ``group_timeout`` (seconds) bounds each wait for the others. See docs/distributed.md.
 
     ``max_inflight_bytes`` (default 512 MiB) bounds the bytes read and not yet released by the
     consumer; ``concurrency`` (default: one per core, 4 to 16) bounds the reads in flight;
@@ -213,4 +267,7 @@ def stream(
         progress=progress,
         verify=verify,
         options=options,
+        group=group,
+        share=share,
+        group_timeout=group_timeout,
     )

@@ -19,6 +19,7 @@ from ..errors import AloadError, LoadError, UsageError, add_note
 from ..format import Checkpoint
 from ..read import (
     DEFAULT_CONCURRENCY,
+    DEFAULT_GROUP_TIMEOUT_S,
     DEFAULT_MAX_INFLIGHT_BYTES,
     Manifest,
     Progress,
@@ -49,6 +50,7 @@ class LoadReport:
     missing: list[str]
     unexpected: list[str]
     converted: int = 0  # tensors whose dtype the built-in loader converted
+    bytes_received: int = 0  # read by another rank of the process group and shared with this one
     verified_shards: int = 0
     opened_s: float | None = None
     planned_s: float | None = None
@@ -108,6 +110,9 @@ async def load(
     after_postprocess: Sequence[Hook] = (),
     progress: Callable[[Progress], None] | None = None,
     verify: Manifest | None = None,
+    group: Any = None,
+    share: str = "broadcast",
+    group_timeout: float = DEFAULT_GROUP_TIMEOUT_S,
     **options: Any,
 ) -> LoadReport:
     """Stream ``source`` into ``model`` and post-process it; returns a ``LoadReport``.
@@ -118,6 +123,8 @@ async def load(
     ``strict_dtype``). On a CUDA device the loader runs inside ``torch.cuda.stream(...)``.
     Cancelling the awaiting task stops every read and raises ``LoadCancelled`` inside the
     loader; no thread or file outlives the call, and the first error is the one raised.
+    ``group``, ``share`` and ``group_timeout``: the ranks of a process group share the reads
+    (``aload.stream``; every rank calls ``load`` with the same source and stages).
     """
     check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency)
     if chunk_bytes is not None:
@@ -143,6 +150,9 @@ async def load(
         options=options,
         destinations=destinations,
         t0=t0,
+        group=group,
+        share=share,
+        group_timeout=group_timeout,
     )
     bridge: SyncBridge | None = None
     try:
@@ -179,6 +189,7 @@ async def load(
         unexpected=done.unexpected,
         converted=done.converted,
         verified_shards=stats.verified_shards,
+        bytes_received=stats.bytes_received,
         opened_s=stats.opened_s,
         planned_s=stats.planned_s,
     )

@@ -1,7 +1,7 @@
 """From a checkpoint to tensors: the read plan (``plan``), the budgeted concurrent reader
-(``reader``), and shard digests checked from the bytes as they pass (``verify``)."""
+(``reader``), one read shared by the ranks of a process group (``share``), and shard digests checked from the bytes as they pass (``verify``)."""
 
-from .plan import DestFn, Item, NameFn, Plan, Unit, make_plan
+from .plan import DestFn, Item, NameFn, Plan, SliceFn, Unit, make_plan
 from .reader import (
     DEFAULT_CONCURRENCY,
     DEFAULT_MAX_INFLIGHT_BYTES,
@@ -12,10 +12,12 @@ from .reader import (
     cut,
     first_tensor,
 )
+from .share import DEFAULT_GROUP_TIMEOUT_S, Share
 from .verify import Manifest, ShardHash, digests_for
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
+    "DEFAULT_GROUP_TIMEOUT_S",
     "DEFAULT_MAX_INFLIGHT_BYTES",
     "DestFn",
     "Item",
@@ -25,7 +27,9 @@ __all__ = [
     "Progress",
     "Reader",
     "ReaderStats",
+    "Share",
     "ShardHash",
+    "SliceFn",
     "Unit",
     "check_positive",
     "cut",

@@ -23,6 +23,8 @@ from ..sources import Source
 NameFn = Callable[[str], "str | None"]
 #: The CPU tensor to read ``spec`` straight into (contiguous, same dtype and shape), or None.
 DestFn = Callable[[str, TensorSpec], "torch.Tensor | None"]
+#: Plan-time slicing: (dim, start, size) of the part of tensor ``name`` (of ``shape``) to keep.
+SliceFn = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
 
 #: Smaller tensors are not read straight into their destinations: they come in a buffer with
 #: their neighbours, and their consumer copies them (a read per small tensor costs more than the
@@ -36,6 +38,7 @@ class Item(NamedTuple):
     offset: int  # within the unit
     dest: torch.Tensor | None = None
     skip: bool = False  # read (for a digest) but not delivered
+    narrow: tuple[int, int, int] | None = None  # (dim, start, size): delivered as this part of it
 
 
 @dataclass
@@ -48,6 +51,9 @@ class Unit:
     items: list[Item] = field(default_factory=list)
     #: Its one item is read straight into its ``dest``: no buffer, nothing against the budget.
     into: bool = False
+    #: Its one item is this process's own slice of a tensor (the ranks of a group read different
+    #: bytes for it): read by every rank for itself, never shared.
+    local: bool = False
 
 
 @dataclass
@@ -65,10 +71,13 @@ def make_plan(
     chunk_bytes: int,
     read_all: bool = False,
     group_bytes: int | None = None,
+    slices: SliceFn | None = None,
 ) -> Plan:
     """``sources``: shard URL -> Source. ``read_all``: dropped tensors are read too (not
     delivered), so that every byte of every shard passes in file order, as a digest needs.
-    ``group_bytes`` (default ``chunk_bytes``): the most a unit of small tensors holds."""
+    ``group_bytes`` (default ``chunk_bytes``): the most a unit of small tensors holds.
+    ``slices``: the part of a tensor to keep; on dim 0 only its rows are read (a unit of its own,
+    ``local``), on another dim the whole tensor is read and the part delivered as a view."""
     group_bytes = min(chunk_bytes, group_bytes or chunk_bytes)
     units: list[Unit] = []
     tensors = nbytes = 0
@@ -82,11 +91,24 @@ def make_plan(
         if not skip:
             tensors += 1
             nbytes += spec.nbytes
+        part = slices(name, spec.shape) if slices is not None and not skip and not read_all else None  # type: ignore[arg-type]
+        if part is not None and (part[0] == 0 or len(spec.shape) < 2):
+            _, first, size = part
+            row = spec.nbytes // spec.shape[0] if spec.shape and spec.shape[0] else 0
+            nbytes -= spec.nbytes - size * row
+            spec = spec._replace(
+                shape=(size, *spec.shape[1:]), start=spec.start + first * row, end=spec.start + (first + size) * row
+            )
+            target = dest(name, spec) if dest is not None and spec.nbytes >= DIRECT_MIN_BYTES else None  # type: ignore[arg-type]
+            item = Item(spec, name, 0, target)  # type: ignore[arg-type]
+            units.append(Unit(sources[spec.shard], spec.start, spec.nbytes, [item], target is not None, local=True))
+            group = None
+            continue
         target = None
-        if dest is not None and not skip and spec.nbytes >= DIRECT_MIN_BYTES:
+        if dest is not None and not skip and part is None and spec.nbytes >= DIRECT_MIN_BYTES:
             target = dest(name, spec)  # type: ignore[arg-type]
         if spec.nbytes >= chunk_bytes or target is not None:
-            item = Item(spec, name or spec.name, 0, target, skip)
+            item = Item(spec, name or spec.name, 0, target, skip, part)
             units.append(Unit(sources[spec.shard], spec.start, spec.nbytes, [item], target is not None))
             group = None
             continue
@@ -98,6 +120,6 @@ def make_plan(
         ):
             group = Unit(sources[spec.shard], spec.start)
             units.append(group)
-        group.items.append(Item(spec, name or spec.name, spec.start - group.start, target, skip))
+        group.items.append(Item(spec, name or spec.name, spec.start - group.start, target, skip, part))
         group.nbytes = spec.end - group.start
     return Plan(units, tensors, nbytes)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import os
 import threading
@@ -28,9 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import UsageError
-from ..sources import Source
+from ..errors import GroupError, UsageError
+from ..sources import Source, aligned_empty
 from .plan import Plan, Unit
+from .share import Share
 from .verify import ShardHash
 
 DEFAULT_MAX_INFLIGHT_BYTES = 512 * 1024 * 1024
@@ -59,6 +61,7 @@ class ReaderStats:
     budget_waits: int = 0  # times a unit waited for budget
     overdraft_bytes: int = 0
     direct_bytes: int = 0  # read straight into destinations
+    bytes_received: int = 0  # read by another rank of the group and shared with this one
     ttft_s: float | None = None
     opened_s: float | None = None
     planned_s: float | None = None
@@ -138,9 +141,16 @@ class Budget:
             self._wake.set_result(None)
 
 
-def _released(ref: weakref.ref[Reader], cost: int, source: Source, start: int, n: int) -> None:
+def byte_view_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of the contiguous tensor ``t`` as a flat uint8 tensor (a parameter too)."""
+    flat = t.detach().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _released(ref: weakref.ref[Reader], cost: int, source: Source | None, start: int, n: int) -> None:
     """The last tensor viewing a buffer is dead (on whichever thread dropped it)."""
-    source.release(start, n)
+    if source is not None:
+        source.release(start, n)
     reader = ref()
     if reader is None:
         return
@@ -174,7 +184,8 @@ def cut(unit: Unit, buf: np.ndarray[Any, Any] | None) -> list[Pair]:
             pieces = base[lo:hi].view(spec.torch_dtype).split_with_sizes([it.spec.nbytes // size for it in items[i:j]])
             for it, piece in zip(items[i:j], pieces, strict=True):
                 if not it.skip:
-                    out.append((it.name, piece if len(it.spec.shape) == 1 else piece.view(it.spec.shape)))
+                    t = piece if len(it.spec.shape) == 1 else piece.view(it.spec.shape)
+                    out.append((it.name, t if it.narrow is None else t.narrow(*it.narrow)))
             i = j
             continue
         it = items[i]
@@ -182,7 +193,7 @@ def cut(unit: Unit, buf: np.ndarray[Any, Any] | None) -> list[Pair]:
             t = torch.empty(spec.shape, dtype=spec.torch_dtype)
             if spec.nbytes:
                 t.view(-1).view(torch.uint8).copy_(base[it.offset : it.offset + spec.nbytes])
-            out.append((it.name, t))
+            out.append((it.name, t if it.narrow is None else t.narrow(*it.narrow)))
         i += 1
     return out
 
@@ -199,8 +210,10 @@ class Reader:
         progress: Callable[[Progress], None] | None = None,
         t0: float | None = None,
         hashes: dict[str, ShardHash] | None = None,
+        share: Share | None = None,
     ) -> None:
         self.plan = plan
+        self._share = share
         self.stats = ReaderStats()
         self._run = run
         self._chunk = chunk_bytes
@@ -222,10 +235,11 @@ class Reader:
 
     # -- reading ---------------------------------------------------------------------------
     async def _produce(self) -> None:
-        for unit in self.plan.units:
+        for index, unit in enumerate(self.plan.units):
             cost = 0 if unit.into else unit.nbytes
             await self._budget.acquire(cost)
-            task = asyncio.ensure_future(self._read(unit, cost))
+            read = self._read(unit, cost) if self._share is None else self._shared(index, unit, cost)
+            task = asyncio.ensure_future(read)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             await self._queue.put((unit, task))
@@ -262,6 +276,34 @@ class Reader:
         self.stats.bytes_read += unit.nbytes
         return buf
 
+    async def _shared(self, index: int, unit: Unit, cost: int) -> np.ndarray[Any, Any] | None:
+        """Unit ``index`` read here, or by the rank that reads it and shared (``share.py``)."""
+        share = self._share
+        assert share is not None
+        if share.mode != "broadcast" or share.owners[index] < 0:
+            return await self._read(unit, cost)
+        if share.reads(index):
+            try:
+                buf = await self._read(unit, cost)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # every rank learns of it, then this rank raises its own error
+                with contextlib.suppress(GroupError):
+                    await share.exchange(index, unit, None, exc)
+                raise
+        elif unit.into:
+            buf = None
+        else:
+            buf = aligned_empty(unit.start, unit.nbytes)
+            if cost:
+                weakref.finalize(buf, _released, weakref.ref(self), cost, None, 0, 0)
+        dest = unit.items[0].dest if unit.into else None
+        data = byte_view_tensor(dest) if dest is not None else torch.from_numpy(buf)
+        await share.exchange(index, unit, data)
+        if not share.reads(index):
+            self.stats.bytes_received += unit.nbytes
+        return buf
+
     # -- delivery --------------------------------------------------------------------------
     async def units(self) -> AsyncIterator[tuple[Unit, np.ndarray[Any, Any] | None]]:
         """Each unit in plan order once read (and hashed), with the buffer its tensors are cut from."""
@@ -283,6 +325,8 @@ class Reader:
                 if shard not in self._last:
                     sha.check()
                     self.stats.verified_shards += 1
+        if self._share is not None:  # every rank got every unit, or all raise
+            await self._share.finish()
 
     async def _hash(self, unit: Unit, buf: np.ndarray[Any, Any] | None) -> None:
         assert self._hashes is not None
@@ -347,8 +391,20 @@ class Reader:
         if self._getting and self._queue.empty():
             self._budget.overdraft()
 
-    async def aclose(self) -> None:
-        """Stop producing and wait for every read started (their buffers may still be written)."""
+    async def aclose(self, error: BaseException | None = None) -> None:
+        """Stop producing and wait for every read started (their buffers may still be written).
+        In a group, this rank's next step tells the others why it stopped (``error``)."""
+        try:
+            await self._stop()
+        finally:
+            if self._share is not None:
+                why = f"{type(error).__name__}: {error}" if error is not None else "it stopped before the end"
+                if isinstance(error, (asyncio.CancelledError, KeyboardInterrupt)):
+                    why = "it was cancelled"
+                await self._share.farewell(why)
+                await self._share.aclose()
+
+    async def _stop(self) -> None:
         pending = [t for t in (self._producer, *self._tasks) if t is not None and not t.done()]
         for t in pending:
             t.cancel()
