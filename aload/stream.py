@@ -25,6 +25,7 @@ from .read import (
     ReaderStats,
     ShardHash,
     Share,
+    Staging,
     Unit,
     check_positive,
     digests_for,
@@ -60,6 +61,7 @@ class TensorStream:
         group: Any = None,
         share: str = "broadcast",
         group_timeout: float = DEFAULT_GROUP_TIMEOUT_S,
+        staging: tuple[Any, int] | None = None,
     ) -> None:
         check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency)
         if chunk_bytes is not None:
@@ -69,6 +71,7 @@ class TensorStream:
         self._names, self._slices, self._stages = split_for_plan(stages)
         # A process group's agreement (``read/share.py``); checked before anything is opened.
         self._share = Share(group, share, group_timeout) if group is not None and group is not False else None
+        self._staging_for = staging  # (device, pinned_bytes): reads into the destinations go through a pool
         self._budget, self._concurrency, self._chunk = max_inflight_bytes, concurrency, chunk_bytes
         self._progress = progress
         self._verify = verify
@@ -135,6 +138,11 @@ class TensorStream:
             t0=self._t0,
             hashes=hashes,
             share=self._share,
+            staging=(
+                Staging(self._staging_for[0], store.run, slab_bytes=self._chunk, pinned_bytes=self._staging_for[1])
+                if self._staging_for is not None and dest is not None
+                else None
+            ),
         )
         self.reader.stats.opened_s, self.reader.stats.planned_s = opened - self._t0, time.perf_counter() - self._t0
         it: AsyncIterator[Pair] = self.reader.items()

@@ -55,8 +55,11 @@ async def same_pairs(rank: int, world: int, a: dict[str, Any]) -> dict[str, Any]
     out: dict[str, Any] = {}
     for mode in a["modes"]:
         agent = {"client_options": {"user_agent": f"rank{rank}"}} if "://" in a["url"] else {}
-        pairs, stats = await streamed(a["url"], group=True, share=mode, chunk_bytes=a.get("chunk", 64 << 10), **agent)
-        out[mode] = {"pairs": pairs, "bytes_read": stats.bytes_read, "bytes_received": stats.bytes_received}
+        pairs, stats = await streamed(
+            a["url"], group=True, share=mode, chunk_bytes=64 << 10, max_inflight_bytes=256 << 10, **agent
+        )
+        out[mode] = {"pairs": pairs, "bytes_read": stats.bytes_read, "bytes_received": stats.bytes_received,
+                     "peak": stats.peak_inflight_bytes, "overdraft": stats.overdraft_bytes}  # fmt: skip
     if a.get("tp"):
         pairs, stats = await streamed(a["url"], group=True, stages=tp_stage(rank, world), chunk_bytes=64 << 10)
         out["tp"] = {"pairs": pairs, "bytes_read": stats.bytes_read, "bytes_received": stats.bytes_received}

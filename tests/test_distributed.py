@@ -59,6 +59,8 @@ async def test_every_mode_gives_the_single_process_pairs_and_broadcast_reads_eac
         for mode in args["modes"]:
             assert res[mode]["pairs"] == want, (r, mode)
         assert res["none"]["bytes_read"] == total and res["none"]["bytes_received"] == 0
+        # what a rank reads for the others and receives from them counts against its own budget
+        assert res["broadcast"]["peak"] <= (256 << 10) + res["broadcast"]["overdraft"], res["broadcast"]
     # broadcast: the ranks read disjoint parts that add up to the checkpoint, each about 1/N
     read = [res["broadcast"]["bytes_read"] for res in results]
     assert sum(read) == total
@@ -115,11 +117,11 @@ async def test_a_failing_rank_ends_every_rank_with_an_error_naming_it(llama: Pat
 
 
 async def test_a_rank_that_stops_answering_is_waited_for_group_timeout_at_most(llama: Path, tmp_path: Path) -> None:
-    args = {"url": str(llama), "rank": 1, "how": "stall", "stall": 12, "timeout": 2}
+    args = {"url": str(llama), "rank": 1, "how": "stall", "stall": 5, "timeout": 2}
     results = await asyncio.to_thread(ranks.run, 2, "one_fails", tmp_path, args, 90)
     other = results[0]
     assert other["error"] == "GroupError" and "within 2 s" in other["message"], other
-    assert other["seconds"] < 10 and not other["threads"], other
+    assert other["seconds"] < 5 and not other["threads"], other
 
 
 async def test_group_needs_an_initialised_cpu_group(llama: Path) -> None:

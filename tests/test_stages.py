@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import aload
 from aload import stages as S
@@ -90,6 +91,28 @@ async def test_tensor_parallel_slices(write: Callable[..., Path]) -> None:
     got = await collect(aload.stream(path, stages=tp))
     assert torch.equal(got["q_proj.weight"], w[2:]) and torch.equal(got["o_proj.weight"], w[:, 3:])
     assert torch.equal(got["norm.weight"], torch.ones(6))
+
+
+async def test_a_planned_tensor_parallel_stage_reads_only_the_rows_it_keeps(write: Callable[..., Path]) -> None:
+    big = torch.randn(4096, 512)  # 8 MiB: a quarter of it is read straight into the parameter
+    path = write({"q_proj.weight": big, "o_proj.weight": big.clone(), "norm.weight": torch.ones(512)})
+    tp = S.tensor_parallel(1, 4, column=[r"q_proj"], row=[r"o_proj"])
+    for stages in (tp, S.rename(r"^", "") | tp):  # first, or after name stages
+        async with aload.stream(path, stages=stages) as s:
+            got = {n: t.clone() async for n, t in s}
+            read = s.stats.bytes_read
+        assert torch.equal(got["q_proj.weight"], big[1024:2048]) and torch.equal(got["o_proj.weight"], big[:, 128:256])
+        assert read == big.nbytes // 4 + big.nbytes + 512 * 4  # a quarter of q_proj, all of o_proj
+    model = nn.ParameterDict({"q_proj": nn.Parameter(torch.zeros(1024, 512)), "o_proj": nn.Parameter(torch.zeros(4096, 128)),
+                              "norm": nn.Parameter(torch.zeros(512))})  # fmt: skip
+    report = await aload.load(model, path, stages=S.rename(r"\.weight$", "") | tp)
+    assert torch.equal(model["q_proj"], big[1024:2048]) and torch.equal(model["o_proj"], big[:, 128:256])
+    assert report.direct_bytes == big.nbytes // 4  # the rank's rows, read straight into its parameter
+    # later in the stages it slices after reading: the same tensors, every byte read
+    async with aload.stream(path, stages=S.map(lambda n, t: t) | tp) as s:
+        late = {n: t.clone() async for n, t in s}
+        assert s.stats.bytes_read == 2 * big.nbytes + 512 * 4
+    assert all(torch.equal(late[k], got[k]) for k in got)
 
 
 async def test_permute_qk_matches_the_engines_formula(write: Callable[..., Path]) -> None:

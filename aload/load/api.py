@@ -21,6 +21,7 @@ from ..read import (
     DEFAULT_CONCURRENCY,
     DEFAULT_GROUP_TIMEOUT_S,
     DEFAULT_MAX_INFLIGHT_BYTES,
+    DEFAULT_PINNED_BYTES,
     Manifest,
     Progress,
     check_positive,
@@ -113,6 +114,8 @@ async def load(
     group: Any = None,
     share: str = "broadcast",
     group_timeout: float = DEFAULT_GROUP_TIMEOUT_S,
+    staging: bool | None = None,
+    pinned_bytes: int = DEFAULT_PINNED_BYTES,
     **options: Any,
 ) -> LoadReport:
     """Stream ``source`` into ``model`` and post-process it; returns a ``LoadReport``.
@@ -125,19 +128,24 @@ async def load(
     loader; no thread or file outlives the call, and the first error is the one raised.
     ``group``, ``share`` and ``group_timeout``: the ranks of a process group share the reads
     (``aload.stream``; every rank calls ``load`` with the same source and stages).
+    ``staging`` (default: on for a CUDA device): the built-in loader's reads into parameters on
+    the device pass through a pool of ``pinned_bytes`` of pinned host buffers and are copied on a
+    stream of their own; ``staging=True`` on the CPU runs the same path with plain memory.
     """
-    check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency)
+    check_positive(max_inflight_bytes=max_inflight_bytes, concurrency=concurrency, pinned_bytes=pinned_bytes)
     if chunk_bytes is not None:
         check_positive(chunk_bytes=chunk_bytes)
     _check_model(model)
     dev = _device(model, device)
+    staged = dev.type == "cuda" if staging is None else bool(staging)
     loader = loader or Loader(
         strict=strict, strict_dtype=strict_dtype, after_load=after_load, after_postprocess=after_postprocess
     )
     t0 = time.perf_counter()
 
     async def destinations(ckpt: Checkpoint) -> Any:
-        return await ckpt.store.run(loader.destinations, model, dev)
+        # parameters on the device are read into only through the staging pool
+        return await ckpt.store.run(loader.destinations, model, dev if staged else torch.device("cpu"))
 
     ts = TensorStream(
         source,
@@ -153,6 +161,7 @@ async def load(
         group=group,
         share=share,
         group_timeout=group_timeout,
+        staging=(dev, pinned_bytes) if staged else None,
     )
     bridge: SyncBridge | None = None
     try:

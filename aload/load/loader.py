@@ -135,16 +135,20 @@ class Loader:
     def destinations(
         self, model: nn.Module, device: torch.device
     ) -> Callable[[str, TensorSpec], torch.Tensor | None] | None:
-        """Where the built-in loader can have bytes read straight into a parameter (a contiguous
-        CPU tensor of the checkpoint's dtype and shape); None when the model brings its own
-        ``load_weights`` (it decides where weights go). Runs on a thread."""
+        """Where the built-in loader can have bytes read straight into a parameter: a contiguous
+        tensor of the checkpoint's dtype and shape, on the CPU or on ``device`` (the staging
+        pool's; the CPU when there is none); None when the model brings its own ``load_weights``
+        (it decides where weights go). Runs on a thread."""
         if hasattr(model, "load_weights"):
             return None
         targets = self._walk(model).targets
 
+        def here(t: torch.Tensor) -> bool:
+            return t.is_cpu or (t.device.type == device.type and device.index in (None, t.device.index))
+
         def dest(name: str, spec: TensorSpec) -> torch.Tensor | None:
             t = targets.get(name)
-            if t is None or not t.is_cpu or t.shape != spec.shape or t.dtype != spec.torch_dtype:
+            if t is None or not here(t) or t.shape != spec.shape or t.dtype != spec.torch_dtype:
                 return None
             return t if t.is_contiguous() else None
 

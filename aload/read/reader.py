@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -33,6 +34,7 @@ from ..errors import GroupError, UsageError
 from ..sources import Source, aligned_empty
 from .plan import Plan, Unit
 from .share import Share
+from .staging import Staging
 from .verify import ShardHash
 
 DEFAULT_MAX_INFLIGHT_BYTES = 512 * 1024 * 1024
@@ -211,9 +213,11 @@ class Reader:
         t0: float | None = None,
         hashes: dict[str, ShardHash] | None = None,
         share: Share | None = None,
+        staging: Staging | None = None,
     ) -> None:
         self.plan = plan
         self._share = share
+        self._staging = staging
         self.stats = ReaderStats()
         self._run = run
         self._chunk = chunk_bytes
@@ -263,9 +267,10 @@ class Reader:
 
     async def _read(self, unit: Unit, cost: int) -> np.ndarray[Any, Any] | None:
         src = unit.source
-        if unit.into:  # one large tensor, read straight into its destination
+        if unit.into:  # one large tensor, read straight into its destination (through the staging pool)
             dest = unit.items[0].dest
-            await asyncio.gather(*(self._slot(src.aread_into, unit.start, dest, o, n) for o, n in self._chunks(unit)))
+            fill = src.aread_into if self._staging is None else functools.partial(self._staging.fill, src)
+            await asyncio.gather(*(self._slot(fill, unit.start, dest, o, n) for o, n in self._chunks(unit)))
             self.stats.direct_bytes += unit.nbytes
             self.stats.bytes_read += unit.nbytes
             return None
@@ -325,6 +330,8 @@ class Reader:
                 if shard not in self._last:
                     sha.check()
                     self.stats.verified_shards += 1
+        if self._staging is not None:  # the copies to the device are complete before the load is
+            await self._staging.drain()
         if self._share is not None:  # every rank got every unit, or all raise
             await self._share.finish()
 
@@ -396,6 +403,8 @@ class Reader:
         In a group, this rank's next step tells the others why it stopped (``error``)."""
         try:
             await self._stop()
+            if self._staging is not None:  # no copy still reads a slab, or writes the model, after this
+                await self._staging.drain()
         finally:
             if self._share is not None:
                 why = f"{type(error).__name__}: {error}" if error is not None else "it stopped before the end"
