@@ -70,6 +70,7 @@ class Share:
         self._global = [dist.get_global_rank(self.group, r) if self.group is not None else r for r in range(self.world)]
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aload-share")
         self.owners: list[int] = []  # per unit of the plan: the rank that reads it, -1: every rank
+        self._seq: list[int] = []
         self._steps = 0  # steps submitted, in order
         self._turn: asyncio.Condition | None = None
         self._over = False  # a step said a rank is out, or the end was agreed: no more steps
@@ -79,16 +80,17 @@ class Share:
     def bind(self, plan: Plan) -> None:
         """Who reads each unit: shared units in plan order, split into ``world`` runs of about
         equal bytes; units of a rank's own slice by every rank."""
-        shared = [u for u in plan.units if not u.local]
-        total = sum(u.nbytes for u in shared) or 1
-        done = 0
-        self.owners = []
+        total = sum(u.nbytes for u in plan.units if not u.local) or 1
+        done = steps = 0
+        self.owners, self._seq = [], []  # _seq: each unit's step number (shared units before it)
         for u in plan.units:
+            self._seq.append(steps)
             if u.local:
                 self.owners.append(-1)
                 continue
             self.owners.append(min(self.world - 1, (2 * done + u.nbytes) * self.world // (2 * total)))
             done += u.nbytes
+            steps += 1
 
     def owned(self, plan: Plan) -> list[Unit]:
         return [u for u, r in zip(plan.units, self.owners, strict=True) if r == self.rank]
@@ -111,7 +113,7 @@ class Share:
         could not read it: every rank raises, naming it."""
         if self._turn is None:
             self._turn = asyncio.Condition()
-        seq = sum(1 for r in self.owners[:index] if r >= 0)  # shared units before this one
+        seq = self._seq[index]
         async with self._turn:
             await self._turn.wait_for(lambda: self._steps == seq or self._over)
             if self._over:
