@@ -211,3 +211,14 @@ async def test_a_listing_is_bounded(s3: Emulator,  # noqa: F811
         s3.upload(f"wide/sub{i}/x.bin", b"x")
     with pytest.raises(aload.CheckpointError, match="over 3 objects under this prefix"):
         await aload.open("s3://aload-test/wide")
+
+
+async def test_a_refused_connection_is_named_as_such() -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(aload.SourceError, match="connection refused") as info:
+        await aload.open(f"http://127.0.0.1:{port}/m/model.safetensors", retry_config={"max_retries": 0})
+    assert f"127.0.0.1:{port}/m/model.safetensors" in str(info.value)
