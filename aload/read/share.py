@@ -100,12 +100,11 @@ class Share:
         return self.mode != "broadcast" or self.owners[index] in (-1, self.rank)
 
     # -- the steps ---------------------------------------------------------------------------
-    async def _in_turn(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the share thread, submitted in the order of the calls that reach here
-        (each caller holds its turn until submitted)."""
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """``fn(*args)`` queued on the share thread, which runs the steps in the order queued."""
         fut = self._last = self._pool.submit(fn, *args)
         self._steps += 1
-        return await asyncio.wrap_future(fut)
+        return fut
 
     async def exchange(self, index: int, unit: Unit, data: torch.Tensor | None, error: BaseException | None = None) -> None:
         """Unit ``index`` from its reader to every rank: ``data`` is its bytes (uint8) on every
@@ -119,9 +118,9 @@ class Share:
             if self._over:
                 raise GroupError("the load was stopped by another rank")
             reason = f"{type(error).__name__}: {error}" if error is not None else None
-            work = self._in_turn(self._exchange, data, self._global[self.owners[index]], reason, unit.nbytes)
+            work = self._submit(self._exchange, data, self._global[self.owners[index]], reason, unit.nbytes)
             self._turn.notify_all()
-        await work
+        await asyncio.wrap_future(work)
 
     def _exchange(self, data: torch.Tensor | None, src: int, reason: str | None, n: int) -> None:
         self._agree(reason)
@@ -183,11 +182,11 @@ class Share:
         """A step of its own (not a unit's), after whatever this rank submitted before it."""
         if self._over:
             return
-        work = self._in_turn(self._agree, reason)
+        work = self._submit(self._agree, reason)
         if self._turn is not None:
             async with self._turn:
                 self._turn.notify_all()
-        await work
+        await asyncio.wrap_future(work)
 
     async def aclose(self) -> None:
         """Wait for the last step submitted (a collective cannot be interrupted), then end the thread."""
