@@ -5,6 +5,7 @@ missing credentials named without retries; no secret in any error or log record.
 
 from __future__ import annotations
 
+import json
 import logging
 import ssl
 from collections.abc import AsyncIterator
@@ -45,10 +46,15 @@ class Hub:
         await self.cdn.__aexit__(*exc)
         await self.hub.__aexit__(*exc)
 
-    def add(self, folder: Path, repo: str = "org/repo", revision: str = "main", sub: str = "") -> None:
+    def add(self, folder: Path, repo: str = "org/repo", revision: str = "main", sub: str = "", tree: bool = False) -> None:
         prefix = f"{repo}/resolve/{revision}/" + (f"{sub}/" if sub else "")
         self.hub.add_folder(folder, prefix)
         self.cdn.add_folder(folder, prefix)
+        if tree:  # the tree API: the folder's files, by their paths in the repository
+            listing = [{"type": "file", "path": (f"{sub}/" if sub else "") + f.name, "size": f.stat().st_size}
+                       for f in sorted(folder.iterdir())]  # fmt: skip
+            listing.append({"type": "directory", "path": (f"{sub}/" if sub else "") + "nested"})
+            self.hub.files[f"api/models/{repo}/tree/{revision}" + (f"/{sub}" if sub else "")] = json.dumps(listing).encode()
         for name in self.hub.files:
             if name.endswith(".safetensors"):
                 self.hub.faults[name] = ["redirect"] * 1000
@@ -72,6 +78,17 @@ async def test_a_hub_repo_loads_with_the_token_sent_only_to_the_hub(hub: Hub, sh
     model = nn.ParameterDict({k.replace(".", "_"): nn.Parameter(torch.zeros_like(v)) for k, v in tensors.items()})
     await aload.load(model, "hf://org/repo@v1.0/weights", stages=aload.stages.rename(r"\.", "_"))
     assert all(torch.equal(model[k.replace(".", "_")], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("sub", ["", "weights"])
+async def test_a_hub_folder_without_an_index_is_listed_by_the_tree_api(hub: Hub, sharded: Any, sub: str) -> None:
+    folder = sharded(llama_like(), 3, index=False)
+    hub.add(folder, sub=sub, tree=True)
+    url = "hf://org/repo" + (f"/{sub}" if sub else "")
+    assert await streamed(url) == reference(folder)
+    assert {a for (_m, n, _r), a in zip(hub.hub.requests, hub.hub.authorizations, strict=True) if n.startswith("api/")} == {
+        f"Bearer {TOKEN}"
+    }
 
 
 async def test_a_single_file_repo_and_a_revision_with_a_slash(hub: Hub, write: Any) -> None:

@@ -7,20 +7,23 @@ another host (the Hub's file storage, whose URLs are signed). ``HF_ENDPOINT`` na
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from ..errors import UsageError
-from .remote import RemoteStore
+import obstore
+
+from ..errors import CheckpointError, UsageError
+from .remote import RemoteStore, _translate
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-def resolve_url(url: str, endpoint: str) -> str:
-    """The Hub's HTTP URL for ``hf://ORG/REPO[@REVISION][/PATH]``."""
+def _parts(url: str) -> tuple[str, str, str, str]:
+    """(org, repo, revision, path) of ``hf://ORG/REPO[@REVISION][/PATH]``, checked."""
     rest = url.split("://", 1)[1]
     parts = rest.split("/")
     if len(parts) < 2 or not all(_REPO.fullmatch(p) for p in (parts[0], parts[1].split("@", 1)[0])):
@@ -31,8 +34,18 @@ def resolve_url(url: str, endpoint: str) -> str:
         raise UsageError("an empty revision after '@'", url=url)
     if any(p in (".", "..") for p in path.split("/")):
         raise UsageError("a Hub path may not hold '.' or '..'", url=url)
-    base = f"{endpoint.rstrip('/')}/{parts[0]}/{repo}/resolve/{quote(revision or 'main', safe='')}"
+    return parts[0], repo, revision or "main", path
+
+
+def resolve_url(url: str, endpoint: str) -> str:
+    """The Hub's HTTP URL for ``hf://ORG/REPO[@REVISION][/PATH]``."""
+    org, repo, revision, path = _parts(url)
+    base = f"{endpoint.rstrip('/')}/{org}/{repo}/resolve/{quote(revision, safe='')}"
     return f"{base}/{path}" if path else base
+
+
+#: A repository's file list (the Hub's tree API) larger than this is refused.
+MAX_TREE_BYTES = 16 << 20
 
 
 class HubStore(RemoteStore):
@@ -59,13 +72,37 @@ class HubStore(RemoteStore):
             if not token.isascii() or not token.isprintable():
                 raise UsageError("the Hub token holds characters a header cannot carry: check HF_TOKEN", url=url)
             options["default_headers"] = {**options.get("default_headers", {}), "Authorization": f"Bearer {token}"}
-        super().__init__(
-            resolve_url(url, endpoint),
-            concurrency,
-            client_options=options,
-            retry_config=retry_config,
-            timeout=timeout,
-            ca_bundle=ca_bundle,
-        )
+        org, repo, revision, path = _parts(url)
+        kwargs: dict[str, Any] = dict(client_options=options, retry_config=retry_config, timeout=timeout, ca_bundle=ca_bundle)
+        super().__init__(resolve_url(url, endpoint), concurrency, **kwargs)
         self.scheme = "hf"
         self.secrets += (token,) if token else ()
+        # The tree API, on the same host with the same policy: where a folder without an index is listed.
+        self._tree = RemoteStore(f"{endpoint.rstrip('/')}/api/models/{org}/{repo}/tree", 1, **kwargs)
+        self._tree_path = "/".join(p for p in (quote(revision, safe=""), path) if p)
+        self._folder = path
+
+    def list(self, suffix: str) -> list[str]:
+        """The files directly in the repository's folder that end in ``suffix``, from the Hub's
+        tree API (a mirror without it: the usual single file)."""
+        try:
+            result = obstore.get(self._tree.client, self._tree_path)
+            raw = bytearray()
+            for piece in result.stream(min_chunk_size=1 << 20):
+                raw += piece
+                if len(raw) > MAX_TREE_BYTES:
+                    raise CheckpointError(f"the Hub's file list is over {MAX_TREE_BYTES} bytes", url=self.url)
+        except CheckpointError:
+            raise
+        except FileNotFoundError:
+            return super().list(suffix)
+        except Exception as exc:
+            raise _translate(exc, self.url, "hf", None, self.secrets) from None
+        try:
+            entries = json.loads(raw)
+            paths = [e["path"] for e in entries if e.get("type") == "file"]
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise CheckpointError("the Hub's file list is not the JSON list it should be", url=self.url) from None
+        prefix = self._folder.rstrip("/") + "/" if self._folder else ""
+        names = [p[len(prefix) :] for p in paths if isinstance(p, str) and p.startswith(prefix)]
+        return sorted(n for n in names if "/" not in n and n.endswith(suffix))
