@@ -165,12 +165,7 @@ class TensorStream:
             async with gate:
                 await store.run(warm, unit.source, unit.start, unit.nbytes)
 
-        try:
-            await asyncio.gather(*(one(u) for u in self._share.owned(plan)))
-        except Exception as exc:
-            await self._share.farewell(f"{type(exc).__name__}: {exc}")
-            await self._share.aclose()
-            raise
+        await asyncio.gather(*(one(u) for u in self._share.owned(plan)))  # a failure: ``aclose`` tells the others
         await self._share.barrier()
 
     async def units(self) -> AsyncIterator[tuple[Unit, np.ndarray[Any, Any] | None]]:
@@ -214,7 +209,7 @@ class TensorStream:
             if self.reader is not None:
                 await self.reader.aclose(error)
             elif self._share is not None:
-                await self._share.farewell(f"{type(error).__name__}: {error}" if error else "it stopped before the end")
+                await self._share.farewell(error)
                 await self._share.aclose()
         finally:
             if self._owns and self.checkpoint is not None:

@@ -88,28 +88,24 @@ def make_plan(
         if skip and not read_all:
             group = None  # the gap is never read
             continue
-        if not skip:
-            tensors += 1
-            nbytes += spec.nbytes
         part = slices(name, spec.shape) if slices is not None and not skip and not read_all else None  # type: ignore[arg-type]
-        if part is not None and (part[0] == 0 or len(spec.shape) < 2):
-            _, first, size = part
+        local = part is not None and (part[0] == 0 or len(spec.shape) < 2)
+        if local:  # this rank's rows: only their bytes are read, in a unit of its own
+            _, first, size = part  # type: ignore[misc]
             row = spec.nbytes // spec.shape[0] if spec.shape and spec.shape[0] else 0
-            nbytes -= spec.nbytes - size * row
             spec = spec._replace(
                 shape=(size, *spec.shape[1:]), start=spec.start + first * row, end=spec.start + (first + size) * row
             )
-            target = dest(name, spec) if dest is not None and spec.nbytes >= DIRECT_MIN_BYTES else None  # type: ignore[arg-type]
-            item = Item(spec, name, 0, target)  # type: ignore[arg-type]
-            units.append(Unit(sources[spec.shard], spec.start, spec.nbytes, [item], target is not None, local=True))
-            group = None
-            continue
+            part = None
+        if not skip:
+            tensors += 1
+            nbytes += spec.nbytes
         target = None
         if dest is not None and not skip and part is None and spec.nbytes >= DIRECT_MIN_BYTES:
             target = dest(name, spec)  # type: ignore[arg-type]
-        if spec.nbytes >= chunk_bytes or target is not None:
+        if local or spec.nbytes >= chunk_bytes or target is not None:
             item = Item(spec, name or spec.name, 0, target, skip, part)
-            units.append(Unit(sources[spec.shard], spec.start, spec.nbytes, [item], target is not None))
+            units.append(Unit(sources[spec.shard], spec.start, spec.nbytes, [item], target is not None, local))
             group = None
             continue
         if (

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..errors import GroupError, UsageError
-from ..sources import Source, aligned_empty
+from ..sources import Source, aligned_empty, byte_tensor
 from .plan import Plan, Unit
 from .share import Share
 from .staging import Staging
@@ -141,12 +141,6 @@ class Budget:
     def _poke(self) -> None:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
-
-
-def byte_view_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of the contiguous tensor ``t`` as a flat uint8 tensor (a parameter too)."""
-    flat = t.detach().reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
 def _released(ref: weakref.ref[Reader], cost: int, source: Source | None, start: int, n: int) -> None:
@@ -303,7 +297,7 @@ class Reader:
             if cost:
                 weakref.finalize(buf, _released, weakref.ref(self), cost, None, 0, 0)
         dest = unit.items[0].dest if unit.into else None
-        data = byte_view_tensor(dest) if dest is not None else torch.from_numpy(buf)
+        data = byte_tensor(dest) if dest is not None else torch.from_numpy(buf)
         await share.exchange(index, unit, data)
         if not share.reads(index):
             self.stats.bytes_received += unit.nbytes
@@ -407,10 +401,7 @@ class Reader:
                 await self._staging.drain()
         finally:
             if self._share is not None:
-                why = f"{type(error).__name__}: {error}" if error is not None else "it stopped before the end"
-                if isinstance(error, (asyncio.CancelledError, KeyboardInterrupt)):
-                    why = "it was cancelled"
-                await self._share.farewell(why)
+                await self._share.farewell(error)
                 await self._share.aclose()
 
     async def _stop(self) -> None:

@@ -36,6 +36,15 @@ _STATUS = 256
 _OK, _FAILED = 0, 1
 
 
+def _reason(error: BaseException | None) -> str:
+    """What the other ranks are told this rank stopped for."""
+    if error is None:
+        return "it stopped before the end"
+    if isinstance(error, (asyncio.CancelledError, KeyboardInterrupt)):
+        return "it was cancelled"
+    return f"{type(error).__name__}: {error}"
+
+
 def _dist() -> Any:
     import torch.distributed as dist
 
@@ -117,7 +126,7 @@ class Share:
             await self._turn.wait_for(lambda: self._steps == seq or self._over)
             if self._over:
                 raise GroupError("the load was stopped by another rank")
-            reason = f"{type(error).__name__}: {error}" if error is not None else None
+            reason = _reason(error) if error is not None else None
             work = self._submit(self._exchange, data, self._global[self.owners[index]], reason, unit.nbytes)
             self._turn.notify_all()
         await asyncio.wrap_future(work)
@@ -169,12 +178,13 @@ class Share:
         await self._step(None)
         self._over = True
 
-    async def farewell(self, reason: str) -> None:
-        """This rank stops before the end: its next step says so, so that no peer waits for it."""
+    async def farewell(self, error: BaseException | None) -> None:
+        """This rank stops before the end (for ``error``, if any): its next step says so, so that
+        no peer waits for it."""
         if self._over:
             return
         try:
-            await self._step(reason)
+            await self._step(_reason(error))
         except GroupError:
             pass
 

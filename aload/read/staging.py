@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import torch
 
 from ..errors import UsageError
+from ..sources import byte_tensor
 
 
 class Event(Protocol):
@@ -71,8 +73,7 @@ class Staging:
         self._made = 0
         self._free: list[torch.Tensor] = []
         self._pending: collections.deque[tuple[Event, torch.Tensor]] = collections.deque()
-        self._lent: set[int] = set()  # ids of slabs out of the pool
-        self.copies = 0
+        self._back: asyncio.Event | None = None  # set when a slab comes back to the pool
         self.waits = 0  # times a read waited for a copy to finish before it had a slab
 
     async def _take(self) -> torch.Tensor:
@@ -81,17 +82,18 @@ class Staging:
             if self._free:
                 slab = self._free.pop()
             elif self._made < self.slabs:
-                self._made += 1
-                slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self._cuda)
+                self._made += 1  # pinning memory takes a while: on a thread
+                slab = await self._run(functools.partial(torch.empty, self.slab_bytes, dtype=torch.uint8, pin_memory=self._cuda))
             elif self._pending:
                 self.waits += 1
                 await self._run(self._pending[0][0].synchronize)  # the oldest copy, off the loop
                 continue
             else:  # every slab is lent to a read in progress: wait for one to come back
                 self.waits += 1
-                await asyncio.sleep(0.001)
+                self._back = self._back or asyncio.Event()
+                self._back.clear()
+                await self._back.wait()
                 continue
-            self._lent.add(id(slab))
             return slab
 
     def _reap(self) -> None:
@@ -100,21 +102,25 @@ class Staging:
 
     def _give(self, slab: torch.Tensor) -> None:
         """Back to the pool, behind an event recorded on the copy stream after its last copy."""
-        self._lent.discard(id(slab))
         event = self._events()
         event.record(self.stream)
         self._pending.append((event, slab))
+        if self._back is not None:
+            self._back.set()
+
+    def _load(self, source: Any, offset: int, dest: torch.Tensor, at: int, slab: torch.Tensor, n: int) -> None:
+        """On a thread: ``n`` bytes from ``offset`` into the slab, then its copy to bytes
+        ``at .. at + n`` of ``dest`` queued."""
+        source.readinto(offset, memoryview(slab[:n].numpy()))  # type: ignore[arg-type]
+        self._copy(dest, at, slab, n)
 
     def _copy(self, dest: torch.Tensor, at: int, slab: torch.Tensor, n: int) -> None:
-        """Queue the copy of ``slab[:n]`` to bytes ``at .. at + n`` of ``dest`` (on a thread)."""
-        flat = dest.detach().reshape(-1)
-        view = (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8))[at : at + n]
+        view = byte_tensor(dest)[at : at + n]
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
                 view.copy_(slab[:n], non_blocking=True)
         else:
             view.copy_(slab[:n])
-        self.copies += 1
 
     async def fill(self, source: Any, offset: int, dest: torch.Tensor, at: int, n: int) -> None:
         """Bytes ``at .. at + n`` of the tensor stored at ``offset`` of ``source`` into the same
@@ -123,8 +129,7 @@ class Staging:
             m = min(self.slab_bytes, n - o)
             slab = await self._take()
             try:
-                await self._run(source.readinto, offset + at + o, memoryview(slab[:m].numpy()))  # type: ignore[arg-type]
-                await self._run(self._copy, dest, at + o, slab, m)
+                await self._run(self._load, source, offset + at + o, dest, at + o, slab, m)
             finally:
                 self._give(slab)
 

@@ -28,12 +28,17 @@ def aligned_empty(offset: int, n: int) -> np.ndarray[Any, Any]:
     return raw[skip + pad : skip + pad + n]
 
 
-def byte_view(t: Any) -> memoryview:
-    """The bytes of the contiguous CPU tensor ``t``, writable (a parameter too)."""
+def byte_tensor(t: Any) -> Any:
+    """The bytes of the contiguous tensor ``t`` as a flat uint8 tensor, writable (a parameter too)."""
     import torch
 
     flat = t.detach().reshape(-1)
-    return memoryview((flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)).numpy()).cast("B")
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def byte_view(t: Any) -> memoryview:
+    """The bytes of the contiguous CPU tensor ``t``, writable (a parameter too)."""
+    return memoryview(byte_tensor(t).numpy()).cast("B")
 
 
 class Source(ABC):

@@ -16,7 +16,7 @@ from urllib.parse import quote, urlsplit
 import obstore
 
 from ..errors import CheckpointError, UsageError
-from .remote import RemoteStore, _translate
+from .remote import RemoteStore, _translate, bounded
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -86,18 +86,13 @@ class HubStore(RemoteStore):
         """The files directly in the repository's folder that end in ``suffix``, from the Hub's
         tree API (a mirror without it: the usual single file)."""
         try:
-            result = obstore.get(self._tree.client, self._tree_path)
-            raw = bytearray()
-            for piece in result.stream(min_chunk_size=1 << 20):
-                raw += piece
-                if len(raw) > MAX_TREE_BYTES:
-                    raise CheckpointError(f"the Hub's file list is over {MAX_TREE_BYTES} bytes", url=self.url)
-        except CheckpointError:
-            raise
+            raw = bounded(obstore.get(self._tree.client, self._tree_path), MAX_TREE_BYTES)
         except FileNotFoundError:
             return super().list(suffix)
         except Exception as exc:
             raise _translate(exc, self.url, "hf", None, self.secrets) from None
+        if len(raw) > MAX_TREE_BYTES:
+            raise CheckpointError(f"the Hub's file list is over {MAX_TREE_BYTES} bytes", url=self.url)
         try:
             entries = json.loads(raw)
             paths = [e["path"] for e in entries if e.get("type") == "file"]

@@ -117,6 +117,17 @@ def _translate(
     return SourceError(scrub(why, secrets), url=url, byte_range=byte_range)
 
 
+def bounded(result: Any, limit: int) -> bytearray:
+    """An obstore answer's body, read in pieces: at most ``limit`` bytes and one piece more, so that
+    a server sending more than it should is caught before it fills memory."""
+    out = bytearray()
+    for piece in result.stream(min_chunk_size=min(limit, _PIECE) or 1):
+        out += piece
+        if len(out) > limit:
+            break
+    return out
+
+
 def _copy_into(data: Any, buf: memoryview) -> None:
     """The bytes of ``data`` into ``buf`` (numpy's copy lets go of the GIL)."""
     np.copyto(np.frombuffer(buf, dtype=np.uint8), np.frombuffer(data, dtype=np.uint8))
@@ -213,14 +224,10 @@ class RemoteSource(Source):
         if not n:
             return b""
         self.size()
-        out = bytearray()
         try:
             result = obstore.get(self._store.client, self._path, options=self._options(offset, n))  # type: ignore[arg-type]
             self._check(result.meta, offset, n)
-            for piece in result.stream(min_chunk_size=min(n, _PIECE)):
-                out += piece
-                if len(out) > n:
-                    break
+            out = bounded(result, n)
         except SourceError:
             raise
         except Exception as exc:
